@@ -1,0 +1,24 @@
+# Two commands: `make demo` and `make test`. Each creates .venv when missing.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: demo test venv
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(VENV)/.installed: $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q -e .
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+demo: $(VENV)/.installed
+	$(BIN)/python -m r1jax.train --config configs/demo.yaml
+
+test: $(VENV)/.installed-test
+	$(BIN)/python -m pytest -q

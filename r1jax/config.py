@@ -1,0 +1,474 @@
+"""Typed, frozen run configuration: YAML file + dotted `section.key=value` overrides.
+
+OmegaConf structured configs do the type checking (wrong types, unknown keys, bad enum values);
+`validate` adds the cross-field rules (divisibility, ranges). Every failure is a `ConfigError`
+whose message is one line naming the key and what is allowed; the CLIs print it and exit 2.
+
+Model keys are spelled as in Hugging Face's `DeepseekV3Config`, with its defaults (which are
+DeepSeek-V3/R1's dimensions), so a config.json from a DeepSeek checkpoint maps one to one.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import math
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+
+class ConfigError(ValueError):
+    """A bad configuration; `str(err)` is a single line naming the key."""
+
+
+class RopeType(str, enum.Enum):
+    default = "default"
+    yarn = "yarn"
+
+
+class Activation(str, enum.Enum):
+    silu = "silu"
+
+
+class MoEDispatch(str, enum.Enum):
+    auto = "auto"          # dropless on CPU, ragged on GPU/TPU
+    dropless = "dropless"  # sort pairs by expert into fixed-size tiles; exact, ~useful FLOPs on CPU
+    ragged = "ragged"      # sort + jax.lax.ragged_dot (grouped GEMM where the backend has one)
+    capacity = "capacity"  # fixed per-expert capacity; drops overflow, reports how many
+    loop = "loop"          # every expert on every token, masked (reference; E x FLOPs)
+
+
+class DType(str, enum.Enum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+class Remat(str, enum.Enum):
+    none = "none"                      # keep every activation of the layer body
+    full = "full"                      # keep only the layer inputs
+    save_attention = "save_attention"  # keep attention outputs, recompute MLP/MoE
+    save_dots = "save_dots"            # keep matmul outputs without batch dims
+
+
+class DataSource(str, enum.Enum):
+    stdlib = "stdlib"  # this Python's own standard-library sources (found via sysconfig)
+    text = "text"      # plain text files or globs in `data.paths`, one document per file
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """HF `rope_scaling` / `rope_parameters` (minus rope_theta, which is top level)."""
+    type: RopeType = RopeType.default
+    factor: Optional[float] = None  # None: max_position_embeddings / original_max_position_embeddings
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    attention_factor: Optional[float] = None  # None: derived from factor/mscale as HF does
+    truncate: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    # --- HF DeepseekV3Config keys (same names, same defaults) ---
+    vocab_size: int = 129280
+    hidden_size: int = 7168
+    intermediate_size: int = 18432
+    moe_intermediate_size: int = 2048
+    num_hidden_layers: int = 61
+    num_attention_heads: int = 128
+    num_key_value_heads: int = 128
+    n_shared_experts: int = 1
+    n_routed_experts: int = 256
+    routed_scaling_factor: float = 2.5
+    kv_lora_rank: int = 512
+    q_lora_rank: Optional[int] = 1536
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    qk_nope_head_dim: int = 128
+    n_group: int = 8
+    topk_group: int = 4
+    num_experts_per_tok: int = 8
+    first_k_dense_replace: int = 3
+    norm_topk_prob: bool = True
+    hidden_act: Activation = Activation.silu
+    max_position_embeddings: int = 4096
+    initializer_range: float = 0.02
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = dataclasses.field(default_factory=RopeScaling)
+    rope_interleave: bool = True
+    attention_bias: bool = False
+    tie_word_embeddings: bool = False
+    num_nextn_predict_layers: int = 1  # MTP depth D (HF alias: num_mtp_layers)
+    bos_token_id: Optional[int] = 0
+    eos_token_id: Optional[int] = 1
+    pad_token_id: Optional[int] = None
+    # --- r1jax keys ---
+    mtp_loss_weight: float = 0.3       # lambda in L = L_main + lambda * mean_k L_mtp^k
+    bias_update_rate: float = 0.001    # gamma of the aux-loss-free balancing update (0: frozen)
+    moe_dispatch: MoEDispatch = MoEDispatch.auto
+    capacity_factor: float = 1.25      # only for moe_dispatch=capacity
+    moe_tile_size: int = 64            # rows per expert tile for moe_dispatch=dropless
+    hf_config: Optional[str] = None    # load the keys above from an HF config.json first
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_hidden_layers - self.first_k_dense_replace
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh sizes; one axis may be -1, meaning all remaining devices."""
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+    expert: int = 1
+    pipeline: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    source: DataSource = DataSource.stdlib
+    paths: list[str] = dataclasses.field(default_factory=list)
+    seq_len: int = 256
+    tokenizer: Optional[str] = None   # tokenizer.json (or a directory holding one); None: train BPE
+    tokenizer_train_mb: float = 8.0    # corpus megabytes used to train the BPE tokenizer
+    eval_fraction: float = 0.01        # documents held out for eval
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1          # cosine floor = lr * min_lr_ratio
+    warmup_ratio: float = 0.05         # of train.steps
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    clip_norm: float = 1.0             # global-norm clipping; 0 disables
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 1000
+    global_batch_size: int = 8
+    log_every: int = 10
+    eval_every: int = 0                # 0: eval only at the end
+    eval_batches: int = 4
+    dtype: DType = DType.fp32
+    remat: Remat = Remat.none
+    seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 1000
+    keep: int = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+
+
+# ----------------------------------------------------------------------------------- loading
+def load(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Config from a YAML file (may be None) plus `section.key=value` overrides; validated."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"--config {path}: no such file")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--config {path}: not valid YAML ({_first_line(e)})") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"--config {path}: top level must be a mapping of sections "
+                              f"({', '.join(_fields(Config))})")
+    for item in overrides:
+        if "=" not in item or item.startswith("="):
+            raise ConfigError(f"override '{item}': expected section.key=value")
+    try:
+        merged = OmegaConf.merge(OmegaConf.create(raw), OmegaConf.from_dotlist(list(overrides)))
+    except OmegaConfBaseException as e:
+        raise ConfigError(_omegaconf_line(e)) from None
+    tree = OmegaConf.to_container(merged)
+    model = tree.get("model")
+    if isinstance(model, dict) and model.get("hf_config"):
+        tree["model"] = {**model_dict_from_hf(model["hf_config"]), **model}
+    return from_dict(tree)
+
+
+def from_dict(tree: dict[str, Any]) -> Config:
+    """Typed, validated Config from a plain nested dict (e.g. a saved config.yaml)."""
+    try:
+        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), tree))
+    except OmegaConfBaseException as e:
+        raise ConfigError(_omegaconf_line(e)) from None
+    validate(cfg)
+    return cfg
+
+
+def model_from_dict(tree: dict[str, Any]) -> ModelConfig:
+    """A validated ModelConfig alone (no run around it), e.g. from a checkpoint's config.json."""
+    try:
+        m = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), tree))
+    except OmegaConfBaseException as e:
+        raise ConfigError("model." + _omegaconf_line(e)) from None
+    validate_model(m)
+    return m
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """Plain nested dict with enums as their string values (YAML/JSON friendly)."""
+    return json.loads(json.dumps(dataclasses.asdict(cfg), default=lambda o: o.value))
+
+
+def dump_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+def _fields(cls) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+_SECTION_TYPES = {"": Config, "model": ModelConfig, "mesh": MeshConfig, "data": DataConfig,
+                  "optim": OptimConfig, "train": TrainConfig, "checkpoint": CheckpointConfig,
+                  "model.rope_scaling": RopeScaling}
+
+
+def _omegaconf_line(e: OmegaConfBaseException) -> str:
+    key = getattr(e, "full_key", None) or ""
+    msg = (getattr(e, "msg", None) or str(e)).strip().splitlines()[0]
+    if msg.startswith("Key '") and "not in" in msg:
+        parent = key.rsplit(".", 1)[0] if "." in key else ""
+        cls = _SECTION_TYPES.get(parent)
+        allowed = f"; allowed: {', '.join(_fields(cls))}" if cls else ""
+        return f"{key}: unknown key{allowed}"
+    return f"{key}: {msg}" if key else msg
+
+
+# ------------------------------------------------------------------------ HF config.json keys
+_HF_IGNORED = {  # keys HF itself ignores for DeepseekV3 or that do not change the math
+    "architectures", "auto_map", "model_type", "transformers_version", "torch_dtype", "dtype",
+    "use_cache", "pretraining_tp", "output_router_logits", "scoring_func", "topk_method",
+    "aux_loss_alpha", "seq_aux", "ep_size", "moe_layer_freq", "quantization_config",
+    "num_experts_per_tok_", "head_dim", "qk_head_dim", "_name_or_path", "router_aux_loss_coef",
+    "initializer_factor", "id2label", "label2id", "return_dict", "output_hidden_states",
+    "output_attentions", "tie_encoder_decoder", "is_encoder_decoder", "chunk_size_feed_forward",
+    "problem_type", "add_cross_attention", "tokenizer_class", "prefix", "sep_token_id",
+    "decoder_start_token_id", "task_specific_params", "max_length", "attention_dropout",
+}
+
+
+def model_dict_from_hf(path: str | Path) -> dict[str, Any]:
+    """ModelConfig keys from an HF DeepseekV3 config.json (file or directory).
+
+    Accepts both the official/4.x spelling (`rope_scaling` + top-level `rope_theta`) and the 5.x
+    one (`rope_parameters` with `rope_theta` inside, `type` and/or `rope_type`)."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    if not p.is_file():
+        raise ConfigError(f"model.hf_config: {p} does not exist")
+    try:
+        hf = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"model.hf_config: {p} is not valid JSON ({e.msg})") from None
+    if hf.get("model_type") not in (None, "deepseek_v3", "deepseek_v2"):
+        raise ConfigError(f"model.hf_config: model_type '{hf.get('model_type')}' is not a "
+                          f"DeepSeek-V3 config; allowed: deepseek_v3")
+    if float(hf.get("attention_dropout") or 0.0) != 0.0:
+        raise ConfigError("model.hf_config: attention_dropout must be 0 (r1jax trains without it)")
+    known = set(_fields(ModelConfig))
+    out: dict[str, Any] = {}
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling")
+    for k, v in hf.items():
+        if k in ("rope_parameters", "rope_scaling") or k in _HF_IGNORED:
+            continue
+        if k == "num_mtp_layers":
+            k = "num_nextn_predict_layers"
+        if k in known:
+            out[k] = v
+    if rope:
+        rope = dict(rope)
+        if "rope_theta" in rope:
+            out["rope_theta"] = rope.pop("rope_theta")
+        kind = rope.pop("rope_type", None) or rope.pop("type", None) or "default"
+        rope.pop("type", None)
+        rs_known = set(_fields(RopeScaling))
+        unknown = sorted(set(rope) - rs_known)
+        if unknown:
+            raise ConfigError(f"model.hf_config: rope parameter '{unknown[0]}' is not supported; "
+                              f"allowed: {', '.join(sorted(rs_known - {'type'}))}")
+        out["rope_scaling"] = {"type": kind, **{k: v for k, v in rope.items() if v is not None}}
+    if out.get("rope_scaling", {}).get("type") == "yarn":
+        out["rope_scaling"].setdefault("original_max_position_embeddings",
+                                       out.get("max_position_embeddings", 4096))
+    return out
+
+
+def hf_config_dict(m: ModelConfig) -> dict[str, Any]:
+    """The config.json HF `DeepseekV3Config` expects for this model (5.x spelling)."""
+    keys = [f.name for f in dataclasses.fields(ModelConfig)
+            if f.name not in ("rope_scaling", "rope_theta", "num_nextn_predict_layers", "hidden_act",
+                              "mtp_loss_weight", "bias_update_rate", "moe_dispatch", "capacity_factor",
+                              "moe_tile_size", "hf_config")]
+    d: dict[str, Any] = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"}
+    d.update({k: getattr(m, k) for k in keys})
+    d["hidden_act"] = m.hidden_act.value
+    d["num_nextn_predict_layers"] = m.num_nextn_predict_layers
+    rope: dict[str, Any] = {"rope_theta": m.rope_theta, "rope_type": m.rope_scaling.type.value}
+    if m.rope_scaling.type is RopeType.yarn:
+        rs = m.rope_scaling
+        rope.update(factor=rs.factor, original_max_position_embeddings=rs.original_max_position_embeddings,
+                    beta_fast=rs.beta_fast, beta_slow=rs.beta_slow, mscale=rs.mscale,
+                    mscale_all_dim=rs.mscale_all_dim, truncate=rs.truncate)
+        if rs.attention_factor is not None:
+            rope["attention_factor"] = rs.attention_factor
+    d["rope_parameters"] = rope
+    d["dtype"] = "float32"
+    return d
+
+
+# --------------------------------------------------------------------------------- validation
+def _need(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ConfigError(msg)
+
+
+def validate_model(m: ModelConfig) -> None:
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
+                 "num_hidden_layers", "num_attention_heads", "kv_lora_rank", "qk_rope_head_dim",
+                 "v_head_dim", "qk_nope_head_dim", "n_group", "topk_group", "num_experts_per_tok",
+                 "max_position_embeddings", "moe_tile_size"):
+        _need(getattr(m, name) > 0, f"model.{name}={getattr(m, name)}: must be a positive integer")
+    for name in ("n_shared_experts", "n_routed_experts", "first_k_dense_replace",
+                 "num_nextn_predict_layers"):
+        _need(getattr(m, name) >= 0, f"model.{name}={getattr(m, name)}: must be >= 0")
+    _need(m.q_lora_rank is None or m.q_lora_rank > 0,
+          f"model.q_lora_rank={m.q_lora_rank}: must be a positive integer or null")
+    _need(m.num_key_value_heads == m.num_attention_heads,
+          f"model.num_key_value_heads={m.num_key_value_heads}: MLA needs it equal to "
+          f"model.num_attention_heads ({m.num_attention_heads})")
+    _need(m.qk_rope_head_dim % 2 == 0,
+          f"model.qk_rope_head_dim={m.qk_rope_head_dim}: must be even (RoPE rotates pairs)")
+    _need(m.first_k_dense_replace <= m.num_hidden_layers,
+          f"model.first_k_dense_replace={m.first_k_dense_replace}: must be <= "
+          f"model.num_hidden_layers ({m.num_hidden_layers})")
+    moe_used = m.num_moe_layers > 0 or m.num_nextn_predict_layers > 0
+    if moe_used:
+        E, G = m.n_routed_experts, m.n_group
+        _need(E > 0, "model.n_routed_experts=0: MoE layers (or MTP blocks) need at least 2 experts")
+        _need(E % G == 0, f"model.n_routed_experts={E}: must be divisible by model.n_group ({G})")
+        _need(E // G >= 2, f"model.n_group={G}: each group needs >= 2 experts "
+                           f"(group score = sum of its top 2); n_routed_experts is {E}")
+        _need(m.topk_group <= G, f"model.topk_group={m.topk_group}: must be <= model.n_group ({G})")
+        kept = m.topk_group * (E // G)
+        _need(m.num_experts_per_tok <= kept,
+              f"model.num_experts_per_tok={m.num_experts_per_tok}: must be <= the experts in the kept "
+              f"groups (topk_group {m.topk_group} x {E // G} per group = {kept})")
+    _need(m.rms_norm_eps > 0, f"model.rms_norm_eps={m.rms_norm_eps}: must be > 0")
+    _need(m.rope_theta > 0, f"model.rope_theta={m.rope_theta}: must be > 0")
+    _need(m.capacity_factor > 0, f"model.capacity_factor={m.capacity_factor}: must be > 0")
+    _need(m.mtp_loss_weight >= 0, f"model.mtp_loss_weight={m.mtp_loss_weight}: must be >= 0")
+    _need(m.bias_update_rate >= 0, f"model.bias_update_rate={m.bias_update_rate}: must be >= 0")
+    rs = m.rope_scaling
+    if rs.type is RopeType.yarn:
+        _need(rs.original_max_position_embeddings > 0,
+              "model.rope_scaling.original_max_position_embeddings: must be > 0 for yarn")
+        _need(rs.factor is None or rs.factor > 0,
+              f"model.rope_scaling.factor={rs.factor}: must be > 0")
+        _need(rs.beta_fast > rs.beta_slow > 0,
+              f"model.rope_scaling.beta_fast={rs.beta_fast}: must be > beta_slow ({rs.beta_slow}) > 0")
+    for tok in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        v = getattr(m, tok)
+        _need(v is None or 0 <= v < m.vocab_size,
+              f"model.{tok}={v}: must be null or in [0, vocab_size={m.vocab_size})")
+
+
+def validate(cfg: Config) -> None:
+    m, mesh, d, o, t, c = cfg.model, cfg.mesh, cfg.data, cfg.optim, cfg.train, cfg.checkpoint
+    validate_model(m)
+    moe_used = m.num_moe_layers > 0 or m.num_nextn_predict_layers > 0
+
+    axes = {f.name: getattr(mesh, f.name) for f in dataclasses.fields(MeshConfig)}
+    for k, v in axes.items():
+        _need(v == -1 or v >= 1, f"mesh.{k}={v}: must be a positive integer or -1 (the rest)")
+    _need(sum(v == -1 for v in axes.values()) <= 1,
+          f"mesh: at most one axis may be -1; got {[k for k, v in axes.items() if v == -1]}")
+    if mesh.tensor > 1:
+        _need(m.num_attention_heads % mesh.tensor == 0,
+              f"mesh.tensor={mesh.tensor}: must divide model.num_attention_heads ({m.num_attention_heads})")
+    if mesh.expert > 1 and moe_used:
+        _need(m.n_routed_experts % mesh.expert == 0,
+              f"mesh.expert={mesh.expert}: must divide model.n_routed_experts ({m.n_routed_experts})")
+
+    _need(d.seq_len >= 2, f"data.seq_len={d.seq_len}: must be >= 2 (next-token targets)")
+    _need(d.seq_len <= m.max_position_embeddings,
+          f"data.seq_len={d.seq_len}: must be <= model.max_position_embeddings ({m.max_position_embeddings})")
+    _need(0.0 <= d.eval_fraction < 1.0, f"data.eval_fraction={d.eval_fraction}: must be in [0, 1)")
+    _need(d.tokenizer_train_mb > 0, f"data.tokenizer_train_mb={d.tokenizer_train_mb}: must be > 0")
+    if d.source is DataSource.text:
+        _need(len(d.paths) > 0, "data.paths: data.source=text needs at least one file or glob")
+    if d.tokenizer is None:
+        _need(m.vocab_size >= 260, f"model.vocab_size={m.vocab_size}: a trained byte-level BPE needs "
+                                   f">= 260 (256 bytes + special tokens)")
+
+    _need(o.lr >= 0, f"optim.lr={o.lr}: must be >= 0")
+    _need(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio={o.min_lr_ratio}: must be in [0, 1]")
+    _need(0 <= o.warmup_ratio < 1, f"optim.warmup_ratio={o.warmup_ratio}: must be in [0, 1)")
+    _need(0 <= o.b1 < 1, f"optim.b1={o.b1}: must be in [0, 1)")
+    _need(0 <= o.b2 < 1, f"optim.b2={o.b2}: must be in [0, 1)")
+    _need(o.eps > 0, f"optim.eps={o.eps}: must be > 0")
+    _need(o.weight_decay >= 0, f"optim.weight_decay={o.weight_decay}: must be >= 0")
+    _need(o.clip_norm >= 0, f"optim.clip_norm={o.clip_norm}: must be >= 0 (0 disables clipping)")
+
+    _need(t.steps > 0, f"train.steps={t.steps}: must be a positive integer")
+    _need(t.global_batch_size > 0, f"train.global_batch_size={t.global_batch_size}: must be positive")
+    _need(t.log_every > 0, f"train.log_every={t.log_every}: must be a positive integer")
+    _need(t.eval_every >= 0, f"train.eval_every={t.eval_every}: must be >= 0 (0: only at the end)")
+    _need(t.eval_batches >= 0, f"train.eval_batches={t.eval_batches}: must be >= 0")
+    batch_shards = math.prod(v for k, v in axes.items() if k in ("data", "fsdp", "expert") and v > 0)
+    _need(t.global_batch_size % batch_shards == 0,
+          f"train.global_batch_size={t.global_batch_size}: must be divisible by the batch shards "
+          f"mesh.data x mesh.fsdp x mesh.expert ({batch_shards})")
+    _need(c.every > 0, f"checkpoint.every={c.every}: must be a positive integer")
+    _need(c.keep > 0, f"checkpoint.keep={c.keep}: must be a positive integer")
+
+
+def resolve_mesh_shape(mesh: MeshConfig, num_devices: int) -> dict[str, int]:
+    """Mesh axis sizes with -1 filled in; ConfigError when they cannot cover `num_devices`."""
+    axes = {f.name: getattr(mesh, f.name) for f in dataclasses.fields(MeshConfig)}
+    fixed = math.prod(v for v in axes.values() if v != -1)
+    free = [k for k, v in axes.items() if v == -1]
+    if free:
+        if num_devices % fixed:
+            raise ConfigError(f"mesh.{free[0]}=-1: the other axes multiply to {fixed}, which does not "
+                              f"divide the {num_devices} devices")
+        axes[free[0]] = num_devices // fixed
+    elif fixed != num_devices:
+        raise ConfigError(f"mesh: data x fsdp x tensor x expert x pipeline = {fixed}, but there are "
+                          f"{num_devices} devices; make the product equal or set one axis to -1")
+    return axes

@@ -1,0 +1,64 @@
+"""python -m r1jax.convert {hf-to-orbax,orbax-to-hf} SRC DST
+
+hf-to-orbax  an HF DeepseekV3 directory (config.json + safetensors) -> an r1jax checkpoint
+             directory (Orbax step 0, item `params`, plus model_config.json)
+orbax-to-hf  an r1jax checkpoint directory (a conversion output or a run's checkpoints/) ->
+             an HF directory that transformers.AutoModelForCausalLM.from_pretrained loads
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+DTYPES = {"float32": np.float32, "bfloat16": "bfloat16", "float16": np.float16}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m r1jax.convert", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("direction", choices=["hf-to-orbax", "orbax-to-hf"])
+    ap.add_argument("src")
+    ap.add_argument("dst")
+    ap.add_argument("--step", type=int, default=None, help="orbax-to-hf: step to convert (default latest)")
+    ap.add_argument("--dtype", choices=list(DTYPES), default="float32",
+                    help="orbax-to-hf: dtype of the written weights (router stays float32)")
+    ap.add_argument("--max-shard-gb", type=float, default=5.0, help="orbax-to-hf: safetensors shard size")
+    ap.add_argument("--force", action="store_true", help="write into a non-empty DST")
+    args = ap.parse_args(argv)
+
+    src, dst = Path(args.src), Path(args.dst)
+    if not src.is_dir():
+        print(f"error: SRC {src} is not a directory", file=sys.stderr)
+        return 2
+    if dst.exists() and any(dst.iterdir()) and not args.force:
+        print(f"error: DST {dst} exists and is not empty (nothing overwritten; pass --force to write into it)",
+              file=sys.stderr)
+        return 2
+
+    from r1jax.config import ConfigError
+    from r1jax.convert import hf
+    from r1jax.convert.safetensors_io import CheckpointError
+
+    t0 = time.time()
+    try:
+        if args.direction == "hf-to-orbax":
+            cfg = hf.hf_to_orbax(src, dst)
+        else:
+            import ml_dtypes
+            dtype = ml_dtypes.bfloat16 if args.dtype == "bfloat16" else DTYPES[args.dtype]
+            cfg = hf.orbax_to_hf(src, dst, step=args.step, dtype=dtype,
+                                 max_shard_bytes=int(args.max_shard_gb * 2**30))
+    except (ConfigError, CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"{args.direction}: {src} -> {dst} ({cfg.num_hidden_layers} layers, "
+          f"MTP depth {cfg.num_nextn_predict_layers}) in {time.time() - t0:.1f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,172 @@
+"""HF DeepseekV3 safetensors <-> r1jax models and Orbax checkpoints, streamed tensor by tensor.
+
+    cfg, model = load("path/to/hf_dir")           # model(input_ids).logits == HF logits
+    save(model, cfg, "out_dir")                    # AutoModelForCausalLM.from_pretrained(out_dir)
+    hf_to_orbax(src, dst); orbax_to_hf(src, dst)   # the `python -m r1jax.convert` commands
+
+Reading assembles one r1jax leaf at a time from its HF tensors (all layers, all experts), so
+peak host memory is what the destination holds plus one leaf; converting between files never
+holds the whole model. FP8 checkpoints (DeepSeek's 128x128 block-scaled e4m3 with
+`weight_scale_inv`) are dequantised to float32 on read.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from r1jax import config as configlib
+from r1jax import model as modellib
+from r1jax.config import ModelConfig, Remat
+from r1jax.convert import safetensors_io
+from r1jax.convert.mapping import Entry, main_entries, mtp_entries, mtp_shared_copies
+from r1jax.convert.safetensors_io import CheckpointError
+from r1jax.parallel.mesh import single_device_mesh
+from r1jax.train import checkpoint as ckpt
+
+F32 = np.dtype(np.float32)
+
+
+class _Source:
+    """HF tensors as float32, FP8 blocks dequantised."""
+
+    def __init__(self, directory: str | Path):
+        self.reader = safetensors_io.Reader(directory)
+        cfg_path = Path(directory) / "config.json"
+        quant = json.loads(cfg_path.read_text()).get("quantization_config") if cfg_path.is_file() else None
+        self.block = tuple((quant or {}).get("weight_block_size") or (128, 128))
+
+    def read(self, key: str) -> np.ndarray:
+        x = self.reader.read(key)
+        if x.dtype in safetensors_io.FP8:
+            scale_key = key + "_scale_inv"
+            if scale_key not in self.reader:
+                raise CheckpointError(f"{key}: fp8 tensor without {scale_key}")
+            scale = self.reader.read(scale_key).astype(F32)
+            bo, bi = self.block
+            full = np.repeat(np.repeat(scale, bo, axis=0), bi, axis=1)[: x.shape[0], : x.shape[1]]
+            return x.astype(F32) * full
+        return x.astype(F32, copy=False)
+
+
+def read_config(directory: str | Path, source: _Source | None = None) -> ModelConfig:
+    """The model config of an HF directory; MTP depth 0 when the checkpoint has no MTP weights."""
+    d = configlib.model_dict_from_hf(directory)
+    cfg = configlib.model_from_dict(d)
+    source = source or _Source(directory)
+    if cfg.num_nextn_predict_layers and \
+            f"model.layers.{cfg.num_hidden_layers}.eh_proj.weight" not in source.reader:
+        print(f"note: {directory} has no MTP weights (model.layers.{cfg.num_hidden_layers}.*); "
+              f"loading it with num_nextn_predict_layers=0", file=sys.stderr)
+        cfg = configlib.model_from_dict({**d, "num_nextn_predict_layers": 0})
+    return cfg
+
+
+def entries(cfg: ModelConfig) -> list[Entry]:
+    return main_entries(cfg) + mtp_entries(cfg)
+
+
+def _leaf_builders(cfg: ModelConfig, source: _Source, shapes: dict[tuple, tuple[int, ...]]
+                   ) -> dict[tuple, Callable[[], np.ndarray]]:
+    """For every r1jax leaf, a function assembling it from its HF tensors."""
+    groups: dict[tuple, list[Entry]] = defaultdict(list)
+    for e in entries(cfg):
+        groups[e.path].append(e)
+    missing = sorted(set(shapes) - set(groups))
+    if missing:
+        raise CheckpointError(f"no HF tensor maps to r1jax parameter {'/'.join(map(str, missing[0]))}")
+    expected = {e.key for es in groups.values() for e in es}
+    ignorable = {e.key for e in mtp_shared_copies(cfg)}
+    for key in source.reader.keys():
+        if key not in expected and key not in ignorable and not key.endswith("_scale_inv") \
+                and not key.endswith("rotary_emb.inv_freq"):
+            raise CheckpointError(f"unexpected tensor {key} for this config "
+                                  f"(num_hidden_layers={cfg.num_hidden_layers}, "
+                                  f"num_nextn_predict_layers={cfg.num_nextn_predict_layers})")
+
+    def builder(path: tuple, group: list[Entry]) -> Callable[[], np.ndarray]:
+        def build() -> np.ndarray:
+            leaf = np.empty(shapes[path], F32)
+            for e in group:
+                x = source.read(e.key)
+                if tuple(x.shape) != e.hf_shape:
+                    raise CheckpointError(f"{e.key}: shape {list(x.shape)} but the config implies "
+                                          f"{list(e.hf_shape)}")
+                leaf[e.index] = e.to_ours(x)
+                del x
+            return leaf
+        return build
+
+    return {p: builder(p, g) for p, g in groups.items()}
+
+
+def load(directory: str | Path, *, mesh: Mesh | None = None, dtype=jnp.float32,
+         remat: Remat = Remat.none) -> tuple[ModelConfig, modellib.Transformer]:
+    """(config, model) from an HF DeepseekV3 directory; parameters placed leaf by leaf."""
+    source = _Source(directory)
+    cfg = read_config(directory, source)
+    mesh = mesh or single_device_mesh()
+    graphdef, abs_state = modellib.abstract(cfg, mesh, dtype, remat)
+    abs_leaves = modellib.leaves(abs_state)
+    builders = _leaf_builders(cfg, source, {p: a.shape for p, a in abs_leaves.items()})
+    values = {p: jax.device_put(builders[p](), a.sharding) for p, a in abs_leaves.items()}
+    return cfg, nnx.merge(graphdef, modellib.with_leaves(abs_state, values))
+
+
+def write_hf(directory: str | Path, cfg: ModelConfig, get_leaf: Callable[[tuple], np.ndarray],
+             dtype=F32, max_shard_bytes: int = 5 * 2**30) -> None:
+    """Write an HF checkpoint, pulling r1jax leaves one at a time from `get_leaf(path)`."""
+    dtype = np.dtype(dtype)
+    ents = sorted(entries(cfg) + mtp_shared_copies(cfg), key=lambda e: tuple(map(str, e.path)))
+    by_key = {e.key: e for e in ents}
+    cache: dict[tuple, np.ndarray] = {}
+
+    def produce(key: str) -> np.ndarray:
+        e = by_key[key]
+        if e.path not in cache:
+            cache.clear()
+            cache[e.path] = np.asarray(get_leaf(e.path), F32)
+        return e.to_hf(cache[e.path][e.index])
+
+    specs = [(e.key, e.hf_shape, F32 if e.fp32 else dtype) for e in ents]
+    directory = Path(directory)
+    safetensors_io.write(directory, specs, produce, max_shard_bytes)
+    hf = configlib.hf_config_dict(cfg)
+    hf["dtype"] = {F32: "float32", np.dtype(jnp.bfloat16): "bfloat16", np.dtype(np.float16): "float16"}[dtype]
+    (directory / "config.json").write_text(json.dumps(hf, indent=2))
+
+
+def save(model: modellib.Transformer, cfg: ModelConfig, directory: str | Path, *, dtype=F32,
+         max_shard_bytes: int = 5 * 2**30) -> None:
+    """Write `model` as an HF DeepseekV3 checkpoint (MTP under model.layers.{L+d}.*)."""
+    values = modellib.leaves(nnx.state(model))
+    write_hf(directory, cfg, lambda p: jax.device_get(values[p]), dtype, max_shard_bytes)
+
+
+def hf_to_orbax(src: str | Path, dst: str | Path) -> ModelConfig:
+    """HF directory -> r1jax Orbax checkpoint (step 0, item `params`), one leaf in memory at a time."""
+    source = _Source(src)
+    cfg = read_config(src, source)
+    _, abs_state = modellib.abstract(cfg, single_device_mesh())
+    shapes = {p: a.shape for p, a in modellib.leaves(abs_state).items()}
+    builders = _leaf_builders(cfg, source, shapes)
+    lazy = {p: ckpt.LazyLeaf(shapes[p], F32, builders[p]) for p in shapes}
+    ckpt.save_params_lazy(dst, 0, lazy, cfg)
+    return cfg
+
+
+def orbax_to_hf(src: str | Path, dst: str | Path, *, step: int | None = None, dtype=F32,
+                max_shard_bytes: int = 5 * 2**30) -> ModelConfig:
+    """r1jax Orbax checkpoint directory -> HF directory, one leaf in memory at a time."""
+    cfg = ckpt.read_model_config(src)
+    reader = ckpt.ParamsReader(src, step)
+    write_hf(dst, cfg, reader.read, dtype, max_shard_bytes)
+    return cfg

@@ -1,0 +1,1 @@
+"""Text sources, the BPE tokenizer, and Grain pipelines that pack documents into training rows."""

@@ -1,0 +1,43 @@
+"""Byte-level BPE tokenizer (HF `tokenizers`): train one on the corpus, or load a tokenizer.json
+(e.g. from a DeepSeek checkpoint directory). Special tokens sit at the ids the model config
+expects by default: <|bos|> 0, <|eos|> 1, <|pad|> 2."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from r1jax.config import ConfigError
+
+SPECIALS = ("<|bos|>", "<|eos|>", "<|pad|>")
+
+
+def train(texts: Iterable[str], vocab_size: int) -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIALS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer)
+    return tok
+
+
+def load(path: str | Path) -> Tokenizer:
+    p = Path(path)
+    if p.is_dir():
+        p = p / "tokenizer.json"
+    if not p.is_file():
+        raise ConfigError(f"data.tokenizer: {p} does not exist")
+    try:
+        return Tokenizer.from_file(str(p))
+    except Exception as e:  # tokenizers raises a bare Exception on malformed files
+        raise ConfigError(f"data.tokenizer: {p} is not a tokenizers JSON file ({str(e).splitlines()[0]})") from None
+
+
+def eos_id(tok: Tokenizer) -> int | None:
+    for name in ("<|eos|>", "<｜end▁of▁sentence｜>", "</s>", "<|endoftext|>"):
+        i = tok.token_to_id(name)
+        if i is not None:
+            return i
+    return None

@@ -1,0 +1,61 @@
+"""DeepSeek-V3/R1 model in Flax NNX; `build` creates one with parameters born sharded."""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+
+from r1jax.config import DType, ModelConfig, Remat
+from r1jax.model.transformer import Output, Transformer
+from r1jax.parallel import mesh as meshlib
+
+COMPUTE_DTYPES = {DType.fp32: jnp.float32, DType.bf16: jnp.bfloat16, DType.fp16: jnp.float16}
+
+
+def abstract(cfg: ModelConfig, mesh: Mesh, dtype=jnp.float32, remat: Remat = Remat.none):
+    """(graphdef, abstract state whose leaves carry their shardings); allocates nothing."""
+    with meshlib.activate(mesh):
+        return nnx.get_abstract_model(lambda: Transformer(cfg, dtype, remat, rngs=nnx.Rngs(0)), mesh)
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled_init(cfg: ModelConfig, mesh: Mesh, dtype, remat: Remat):
+    graphdef, abs_state = abstract(cfg, mesh, dtype, remat)
+    shardings = jax.tree.map(lambda a: a.sharding, abs_state)
+
+    def init(seed):
+        return nnx.split(Transformer(cfg, dtype, remat, rngs=nnx.Rngs(jax.random.key(seed))))[1]
+
+    # Each random draw is its own XLA computation and XLA:CPU spends ~0.25 s optimising each;
+    # init runs once, so on CPU compile it without backend optimisation (about 2x faster).
+    options = {"xla_backend_optimization_level": 0} if jax.default_backend() == "cpu" else {}
+    with meshlib.activate(mesh):
+        fn = jax.jit(init, out_shardings=shardings).lower(jax.ShapeDtypeStruct((), jnp.uint32)).compile(options)
+    return graphdef, fn
+
+
+def leaves(state: nnx.State) -> dict[tuple, jax.Array]:
+    """{nnx path: array} for every variable in `state` (abstract or concrete)."""
+    return {path: var.get_value() for path, var in nnx.to_flat_state(state)}
+
+
+def with_leaves(state: nnx.State, values: dict[tuple, jax.Array]) -> nnx.State:
+    """`state` with each variable's value replaced by `values[path]` (metadata kept)."""
+    missing = [p for p, _ in nnx.to_flat_state(state) if p not in values]
+    if missing:
+        raise KeyError(f"no value for {'/'.join(map(str, missing[0]))}")
+    return nnx.from_flat_state([(p, v.replace(values[p])) for p, v in nnx.to_flat_state(state)])
+
+
+def build(cfg: ModelConfig, mesh: Mesh, *, seed: int = 0, dtype=jnp.float32,
+          remat: Remat = Remat.none) -> Transformer:
+    """A freshly initialised model whose parameters are created directly in their shards."""
+    graphdef, init = _compiled_init(cfg, mesh, dtype, remat)
+    with meshlib.activate(mesh):
+        return nnx.merge(graphdef, init(jnp.uint32(seed)))
+
+
+__all__ = ["Output", "Transformer", "abstract", "build", "leaves", "with_leaves", "COMPUTE_DTYPES"]

@@ -1,0 +1,67 @@
+"""DeepSeekMoE: sigmoid router with group-limited top-k, routed experts, shared experts.
+
+Routing (per token, fp32), as DeepSeek-V3 and HF `DeepseekV3TopkRouter`:
+    s      = sigmoid(x W_r)                               [T,E]
+    choice = s + e_score_correction_bias                  selection only, never in the weights
+    groups = contiguous blocks of E/G experts; group score = sum of its top-2 choice values
+    keep the `topk_group` best groups, pick the top-k experts inside them by `choice`
+    w      = s[idx] (/ sum when norm_topk_prob) * routed_scaling_factor
+    y      = sum_j w_j SwiGLU_{idx_j}(x) + SharedSwiGLU(x)
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from r1jax.config import ModelConfig
+from r1jax.model import dispatch
+from r1jax.model.layers import F32, MLP, RouterBias, cast, normal_param
+from r1jax.parallel.mesh import constrain
+
+
+def route(x_TD: jax.Array, weight_DE: jax.Array, bias_E: jax.Array, cfg: ModelConfig):
+    """-> combine weights w [T,k] fp32, expert ids idx [T,k] int32, scores s [T,E] fp32."""
+    T = x_TD.shape[0]
+    E, G, k = cfg.n_routed_experts, cfg.n_group, cfg.num_experts_per_tok
+    s = jax.nn.sigmoid(jnp.einsum("TD,DE->TE", x_TD.astype(F32), weight_DE.astype(F32)))
+    choice = jax.lax.stop_gradient(s) + bias_E.astype(F32)
+    if cfg.topk_group < G:
+        group_score = jax.lax.top_k(choice.reshape(T, G, E // G), 2)[0].sum(-1)       # [T,G]
+        _, group_idx = jax.lax.top_k(group_score, cfg.topk_group)
+        group_keep = (group_idx[:, :, None] == jnp.arange(G)).any(1)                    # [T,G]
+        choice = jnp.where(jnp.repeat(group_keep, E // G, axis=1), choice, -jnp.inf)
+    _, idx = jax.lax.top_k(choice, k)
+    w = jnp.take_along_axis(s, idx, axis=1)
+    if cfg.norm_topk_prob:
+        w = w / (w.sum(-1, keepdims=True) + 1e-20)
+    return w * cfg.routed_scaling_factor, idx.astype(jnp.int32), s
+
+
+class MoE(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, *, rngs: nnx.Rngs):
+        D, E, F = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
+        std = cfg.initializer_range
+        self.cfg, self.dtype = cfg, dtype
+        self.router_DE = normal_param(rngs, (D, E), ("embed", "router"), std)
+        self.router_bias_E = RouterBias(jnp.zeros((E,), F32), out_sharding=("router",))
+        self.gate_EDF = normal_param(rngs, (E, D, F), ("experts", "embed", "moe_mlp"), std)
+        self.up_EDF = normal_param(rngs, (E, D, F), ("experts", "embed", "moe_mlp"), std)
+        self.down_EFD = normal_param(rngs, (E, F, D), ("experts", "moe_mlp", "embed"), std)
+        self.shared = MLP(D, F * cfg.n_shared_experts, std, dtype, rngs=rngs) if cfg.n_shared_experts else None
+
+    def __call__(self, x_BTD: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        cfg, dt = self.cfg, self.dtype
+        B, T, D = x_BTD.shape
+        x_TD = x_BTD.reshape(B * T, D)
+        w, idx, _ = route(x_TD, self.router_DE[...], self.router_bias_E[...], cfg)
+        kind = dispatch.resolve(cfg.moe_dispatch.value)
+        y, dropped = dispatch.ROUTED[kind](
+            x_TD, w, idx, cast(self.gate_EDF, dt), cast(self.up_EDF, dt), cast(self.down_EFD, dt),
+            tile=cfg.moe_tile_size, capacity_factor=cfg.capacity_factor)
+        y = checkpoint_name(constrain(y.reshape(B, T, D), "batch", "seq", "act_embed"), "moe_routed")
+        if self.shared is not None:
+            y = y + self.shared(x_BTD)
+        aux = {"load": dispatch.expert_load(idx, cfg.n_routed_experts), "dropped": dropped, "idx": idx}
+        return y, aux

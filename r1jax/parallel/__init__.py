@@ -1,0 +1,1 @@
+"""Meshes, logical-axis rules and (later) pipeline schedules and multi-process start-up."""

@@ -1,0 +1,1 @@
+"""Training: losses, optimizer, the pure train step, the loop, checkpoints and metrics."""

@@ -1,0 +1,42 @@
+"""python -m r1jax.train --config FILE [--run-dir DIR] [section.key=value ...]"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m r1jax.train",
+                                 description="Train a DeepSeek-V3/R1 model (resumes from DIR's latest checkpoint).")
+    ap.add_argument("--config", required=True, help="YAML config (see configs/)")
+    ap.add_argument("--run-dir", default=None, help="output directory (default: runs/<config name>)")
+    ap.add_argument("overrides", nargs="*", help="section.key=value, e.g. train.steps=100")
+    args = ap.parse_args(argv)
+
+    from r1jax import config as configlib
+    try:
+        cfg = configlib.load(args.config, args.overrides)
+    except configlib.ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    run_dir = Path(args.run_dir or Path("runs") / Path(args.config).stem)
+
+    from r1jax.train.trainer import train
+    try:
+        final = train(cfg, run_dir)
+    except configlib.ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    if final:
+        msg = f"final loss {final['loss']:.4f}"
+        if "eval_loss" in final:
+            msg += f" (eval {final['eval_loss']:.4f}, perplexity {final['eval_perplexity']:.2f})"
+        print(f"{msg}\nlogs: {run_dir}/metrics.jsonl, {run_dir}/tensorboard/ "
+              f"(tensorboard --logdir {run_dir}/tensorboard), {run_dir}/loss.png\n"
+              f"checkpoints: {run_dir}/checkpoints/")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,150 @@
+"""Orbax checkpoints: a `CheckpointManager` directory whose steps hold named items.
+
+Item `params` is the model's state (parameters and router biases) as a nested dict keyed by
+the nnx path; training adds `opt_state` and `meta`. The directory root also holds
+`model_config.json`, so a checkpoint directory alone is enough to rebuild (or convert) the model.
+
+Params can be written lazily, one leaf at a time (`save_params_lazy`): a leaf is produced only
+when Orbax is ready to write it and is dropped afterwards, so converting a checkpoint never
+holds the whole model in host memory. They can likewise be read one leaf at a time
+(`ParamsReader`) through Orbax's partial restore.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from orbax.checkpoint._src.futures import future as ocp_future
+from orbax.checkpoint._src.serialization import type_handler_registry as ocp_registry
+from orbax.checkpoint._src.serialization import type_handlers as ocp_types
+
+from r1jax import config as configlib
+from r1jax.config import ModelConfig
+
+PARAMS = "params"
+MODEL_CONFIG = "model_config.json"
+
+
+def path_key(path: tuple) -> tuple[str, ...]:
+    return tuple(str(p) for p in path)
+
+
+def nest(flat: dict[tuple, Any]) -> dict[str, Any]:
+    """{(a, b, 0): x} -> {"a": {"b": {"0": x}}} (Orbax wants string keys)."""
+    out: dict[str, Any] = {}
+    for path, v in flat.items():
+        node = out
+        keys = path_key(path)
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+        node[keys[-1]] = v
+    return out
+
+
+def write_model_config(directory: str | Path, cfg: ModelConfig) -> None:
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    (Path(directory) / MODEL_CONFIG).write_text(json.dumps(configlib.to_dict(cfg), indent=2))
+
+
+def read_model_config(directory: str | Path) -> ModelConfig:
+    p = Path(directory) / MODEL_CONFIG
+    if not p.is_file():
+        raise configlib.ConfigError(f"{directory}: not an r1jax checkpoint directory (no {MODEL_CONFIG})")
+    return configlib.model_from_dict(json.loads(p.read_text()))
+
+
+def latest_step(directory: str | Path) -> int:
+    steps = sorted(int(p.name) for p in Path(directory).iterdir()
+                   if p.is_dir() and p.name.isdigit() and (p / PARAMS).is_dir())
+    if not steps:
+        raise configlib.ConfigError(f"{directory}: holds no checkpoint step with '{PARAMS}'")
+    return steps[-1]
+
+
+# ------------------------------------------------------------------------------ lazy saving
+@dataclasses.dataclass
+class LazyLeaf:
+    """A leaf Orbax writes as np.ndarray, produced by `fn` only when its turn comes."""
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    fn: Callable[[], np.ndarray]
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape))
+
+
+class _LazyHandler(ocp_types.NumpyHandler):
+    """Writes LazyLeaf values one after another in numpy's on-disk format (same typestr)."""
+
+    def __init__(self):
+        super().__init__(deepcopy_host_arrays=False)
+
+    async def _write_sequentially(self, values, infos, args):
+        for leaf, info, arg in zip(values, infos, args):
+            arr = np.ascontiguousarray(leaf.fn(), dtype=leaf.dtype)
+            if arr.shape != tuple(leaf.shape):
+                raise ValueError(f"{info.name}: produced {arr.shape}, expected {tuple(leaf.shape)}")
+            await super()._background_serialize([arr], [info], [arg])
+            del arr
+
+    async def serialize(self, values, infos, args=None):
+        args = args or [ocp.SaveArgs()] * len(values)
+        return [ocp_future.CommitFutureAwaitingContractedSignals(
+            self._write_sequentially(values, infos, args), name="r1jax_lazy_params")]
+
+
+def _lazy_registry():
+    registry = ocp_registry.create_type_handler_registry(*ocp_registry._DEFAULT_TYPE_HANDLERS)
+    registry.add(LazyLeaf, _LazyHandler(), override=True, ignore_warnings=True)
+    return registry
+
+
+def save_params_lazy(directory: str | Path, step: int, leaves: dict[tuple, LazyLeaf], cfg: ModelConfig) -> None:
+    """Write `leaves` as item `params` of step `step` under `directory` (+ model_config.json)."""
+    write_model_config(directory, cfg)
+    handler = ocp.PyTreeCheckpointHandler(type_handler_registry=_lazy_registry())
+    with ocp.CheckpointManager(Path(directory).absolute(), item_names=(PARAMS,),
+                               item_handlers={PARAMS: handler}) as mngr:
+        mngr.save(step, args=ocp.args.Composite(**{PARAMS: ocp.args.PyTreeSave(nest(leaves))}), force=True)
+        mngr.wait_until_finished()
+
+
+# ------------------------------------------------------------------------------ reading
+class ParamsReader:
+    """Leaves of a `params` item, restored one at a time as numpy arrays."""
+
+    def __init__(self, directory: str | Path, step: int | None = None):
+        self.dir = Path(directory).absolute()
+        self.step = latest_step(self.dir) if step is None else step
+        self.item = self.dir / str(self.step) / PARAMS
+        self._ckptr = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
+        meta = self._ckptr.metadata(self.item).item_metadata
+        self.shapes: dict[tuple[str, ...], tuple[int, ...]] = {
+            path_key(tuple(getattr(k, "key", k) for k in p)): tuple(m.shape)
+            for p, m in jax.tree_util.tree_leaves_with_path(meta)}
+
+    def read(self, path: tuple) -> np.ndarray:
+        key = path_key(path)
+        if key not in self.shapes:
+            raise configlib.ConfigError(f"{self.item}: has no parameter {'/'.join(key)}")
+        item = nest({key: 0})
+        args = nest({key: ocp.RestoreArgs(restore_type=np.ndarray)})
+        out = self._ckptr.restore(self.item, args=ocp.args.PyTreeRestore(
+            item=item, restore_args=args, partial_restore=True))
+        for k in key:
+            out = out[k]
+        return out
+
+    def read_all(self, paths: Iterable[tuple], shardings: dict[tuple, Any]) -> dict[tuple, jax.Array]:
+        """Leaves placed with `shardings`, read and placed one at a time."""
+        return {p: jax.device_put(self.read(p), shardings[p]) for p in paths}
