@@ -10,6 +10,7 @@ DeepSeek-V3/R1's dimensions), so a config.json from a DeepSeek checkpoint maps o
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import enum
 import json
 import math
@@ -264,8 +265,11 @@ def _omegaconf_line(e: OmegaConfBaseException) -> str:
     if msg.startswith("Key '") and "not in" in msg:
         parent = key.rsplit(".", 1)[0] if "." in key else ""
         cls = _SECTION_TYPES.get(parent)
-        allowed = f"; allowed: {', '.join(_fields(cls))}" if cls else ""
-        return f"{key}: unknown key{allowed}"
+        if cls is None:
+            return f"{key}: unknown key"
+        close = difflib.get_close_matches(key.rsplit(".", 1)[-1], _fields(cls), n=1)
+        hint = f"did you mean {close[0]}?" if close else f"allowed: {', '.join(_fields(cls))}"
+        return f"{key}: unknown key; {hint}"
     return f"{key}: {msg}" if key else msg
 
 

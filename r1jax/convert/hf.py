@@ -12,7 +12,6 @@ holds the whole model. FP8 checkpoints (DeepSeek's 128x128 block-scaled e4m3 wit
 from __future__ import annotations
 
 import json
-import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import Callable
@@ -65,7 +64,7 @@ def read_config(directory: str | Path, source: _Source | None = None) -> ModelCo
     if cfg.num_nextn_predict_layers and \
             f"model.layers.{cfg.num_hidden_layers}.eh_proj.weight" not in source.reader:
         print(f"note: {directory} has no MTP weights (model.layers.{cfg.num_hidden_layers}.*); "
-              f"loading it with num_nextn_predict_layers=0", file=sys.stderr)
+              f"loading it with num_nextn_predict_layers=0")
         cfg = configlib.model_from_dict({**d, "num_nextn_predict_layers": 0})
     return cfg
 
@@ -83,6 +82,14 @@ def _leaf_builders(cfg: ModelConfig, source: _Source, shapes: dict[tuple, tuple[
     missing = sorted(set(shapes) - set(groups))
     if missing:
         raise CheckpointError(f"no HF tensor maps to r1jax parameter {'/'.join(map(str, missing[0]))}")
+    # every check that needs only the headers runs before anything is read or written
+    for es in groups.values():
+        for e in es:
+            if e.key not in source.reader:
+                raise CheckpointError(f"{source.reader.dir}: tensor {e.key} is missing")
+            if tuple(source.reader.shape(e.key)) != e.hf_shape:
+                raise CheckpointError(f"{e.key}: shape {list(source.reader.shape(e.key))} but the config "
+                                      f"implies {list(e.hf_shape)}")
     expected = {e.key for es in groups.values() for e in es}
     ignorable = {e.key for e in mtp_shared_copies(cfg)}
     for key in source.reader.keys():

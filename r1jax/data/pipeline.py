@@ -3,7 +3,9 @@
 Rows carry `segment_ids` (1..k per row, 0 for padding) and `positions` (restarting at 0 in
 each segment), so the model never attends across documents and no document is dropped:
 one longer than seq_len continues in the next row. The order is a seeded global shuffle of
-documents; each process reads `ds[process_index::process_count]`.
+documents, then a seeded window shuffle of the packed rows (consecutive rows of one long
+document would otherwise fill whole batches); each process reads
+`ds[process_index::process_count]`.
 """
 from __future__ import annotations
 
@@ -60,10 +62,12 @@ def _rename(row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 def lm_batches(docs: Sequence[str], indices: Sequence[int], tokenizer: Tokenizer, eos: int | None, *,
                seq_len: int, batch_size: int, seed: int, shard_index: int = 0, shard_count: int = 1,
-               epochs: int | None = None) -> grain.IterDataset:
+               epochs: int | None = None, shuffle_rows: int = 512) -> grain.IterDataset:
     """An IterDataset of {'ids','segment_ids','positions'} int32 [batch_size, seq_len] (per process)."""
     ds = grain.MapDataset.source(_Subset(docs, list(indices)))
     ds = ds.seed(seed).shuffle().repeat(epochs)[shard_index::shard_count].map(_Encode(tokenizer, eos))
     it = ds.to_iter_dataset(grain.ReadOptions(num_threads=2, prefetch_buffer_size=16))
     it = grain.experimental.ConcatThenSplitIterDataset(it, length_struct={"tokens": seq_len})
+    if shuffle_rows > 1:
+        it = grain.experimental.WindowShuffleIterDataset(it, window_size=shuffle_rows, seed=seed)
     return it.map(_rename).batch(batch_size, drop_remainder=epochs is None)

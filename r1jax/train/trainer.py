@@ -172,9 +172,11 @@ def train(cfg: Config, run_dir: str | Path) -> dict[str, float]:
     block_each_step = len(devices) > 1 and devices[0].platform == "cpu"   # avoid CPU collective starvation
     tokens_per_step = t.global_batch_size * d.seq_len
     last_t, last_step, metrics, compile_s = time.time(), start, {}, None
+    window: list[dict] = []       # device-side metrics since the last log line, averaged when logged
     for step in range(start, t.steps):
         batch = jax.tree.map(lambda x: jax.make_array_from_process_local_data(bsharding, x), next(data_iter))
         state, metrics = step_fn(state, batch)
+        window.append(metrics)
         if block_each_step or step == start:
             jax.block_until_ready(metrics)
             if step == start:
@@ -183,7 +185,10 @@ def train(cfg: Config, run_dir: str | Path) -> dict[str, float]:
                 last_step = step + 1
         done = step + 1
         if done % t.log_every == 0 or done == t.steps:
-            vals = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            fetched = jax.device_get(window)
+            vals = {k: float(np.mean([m[k] for m in fetched])) for k in fetched[-1]}
+            vals["lr"] = float(fetched[-1]["lr"])
+            window = []
             now = time.time()
             steps_run = max(done - last_step, 1)
             vals["step_time"] = (now - last_t) / steps_run
@@ -196,7 +201,8 @@ def train(cfg: Config, run_dir: str | Path) -> dict[str, float]:
         if mngr.should_save(done):
             mngr.save(done, args=_save_args(state, data_iter, {"loss": float(metrics["loss"])}))
 
-    final = {k: float(v) for k, v in jax.device_get(metrics).items()} if metrics else {}
+    final = dict(writer.records[-1]) if writer.records else {}
+    final.pop("step", None)
     if t.eval_batches and split.eval:
         final.update({f"eval_{k}": v for k, v in
                       _evaluate(cfg, graphdef, mesh, shardings, state, docs, split, tok, eos, writer, t.steps).items()})
