@@ -196,10 +196,12 @@ def train(cfg: Config, run_dir: str | Path) -> dict[str, float]:
             last_t, last_step = now, done
             writer.write(done, vals)
             writer.console(done, vals)
+        paused = time.time()        # eval and checkpoint time is kept out of tokens/s
         if t.eval_every and done % t.eval_every == 0 and done < t.steps:
             _evaluate(cfg, graphdef, mesh, shardings, state, docs, split, tok, eos, writer, done)
         if mngr.should_save(done):
             mngr.save(done, args=_save_args(state, data_iter, {"loss": float(metrics["loss"])}))
+        last_t += time.time() - paused
 
     final = dict(writer.records[-1]) if writer.records else {}
     final.pop("step", None)
