@@ -54,11 +54,20 @@ class Remat(str, enum.Enum):
     full = "full"                      # keep only the layer inputs
     save_attention = "save_attention"  # keep attention outputs, recompute MLP/MoE
     save_dots = "save_dots"            # keep matmul outputs without batch dims
+    offload = "offload"                # move the tagged activations to host memory (where supported)
 
 
 class DataSource(str, enum.Enum):
-    stdlib = "stdlib"  # this Python's own standard-library sources (found via sysconfig)
-    text = "text"      # plain text files or globs in `data.paths`, one document per file
+    stdlib = "stdlib"            # this Python's own standard-library sources (found via sysconfig)
+    text = "text"                # text files or globs in `data.paths` (see data.text_mode)
+    jsonl = "jsonl"              # JSON Lines files; the text is under `data.text_field`
+    parquet = "parquet"          # Parquet files; the text column is `data.text_field`
+    arrayrecord = "arrayrecord"  # ArrayRecord files; records are UTF-8 text or JSON objects
+
+
+class TextMode(str, enum.Enum):
+    document = "document"  # one document per file
+    lines = "lines"        # one document per non-empty line (as HF's LineByLineTextDataset)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +123,8 @@ class ModelConfig:
     # --- r1jax keys ---
     mtp_loss_weight: float = 0.3       # lambda in L = L_main + lambda * mean_k L_mtp^k
     bias_update_rate: float = 0.001    # gamma of the aux-loss-free balancing update (0: frozen)
+    seq_aux_loss_alpha: float = 0.0001 # alpha of the sequence-wise balance loss (0: off)
+    init_from: Optional[str] = None    # start from weights: "hf:PATH" (HF dir) or "orbax:PATH" (r1jax ckpt)
     moe_dispatch: MoEDispatch = MoEDispatch.auto
     capacity_factor: float = 1.25      # only for moe_dispatch=capacity
     moe_tile_size: int = 64            # rows per expert tile for moe_dispatch=dropless
@@ -146,6 +157,11 @@ class DataConfig:
     tokenizer: Optional[str] = None   # tokenizer.json (or a directory holding one); None: train BPE
     tokenizer_train_mb: float = 8.0    # corpus megabytes used to train the BPE tokenizer
     eval_fraction: float = 0.01        # documents held out for eval
+    text_mode: TextMode = TextMode.document  # data.source=text/stdlib: a file or a line is a document
+    text_field: str = "text"           # jsonl/parquet/arrayrecord: the field or column holding the text
+    block_size: int = 0                # split documents into blocks of at most this many tokens (0: off)
+    clean: bool = False                # NFC, \r\n -> \n, strip line ends, drop control characters
+    workers: int = 0                   # Grain worker processes (mp_prefetch); 0: read in-process
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,6 +185,10 @@ class TrainConfig:
     eval_batches: int = 4
     dtype: DType = DType.fp32
     remat: Remat = Remat.none
+    grad_accum: int = 1                # microbatches per step (scanned); global batch = A x microbatch
+    loss_scale_init: float = 65536.0   # fp16 only: dynamic loss scaling as torch's GradScaler
+    loss_scale_growth_interval: int = 2000
+    stop_at: int = 0                   # stop (with a checkpoint) after this step; 0: run to train.steps
     seed: int = 0
 
 
@@ -337,8 +357,8 @@ def hf_config_dict(m: ModelConfig) -> dict[str, Any]:
     """The config.json HF `DeepseekV3Config` expects for this model (5.x spelling)."""
     keys = [f.name for f in dataclasses.fields(ModelConfig)
             if f.name not in ("rope_scaling", "rope_theta", "num_nextn_predict_layers", "hidden_act",
-                              "mtp_loss_weight", "bias_update_rate", "moe_dispatch", "capacity_factor",
-                              "moe_tile_size", "hf_config")]
+                              "mtp_loss_weight", "bias_update_rate", "seq_aux_loss_alpha", "init_from",
+                              "moe_dispatch", "capacity_factor", "moe_tile_size", "hf_config")]
     d: dict[str, Any] = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"}
     d.update({k: getattr(m, k) for k in keys})
     d["hidden_act"] = m.hidden_act.value
@@ -398,6 +418,9 @@ def validate_model(m: ModelConfig) -> None:
     _need(m.capacity_factor > 0, f"model.capacity_factor={m.capacity_factor}: must be > 0")
     _need(m.mtp_loss_weight >= 0, f"model.mtp_loss_weight={m.mtp_loss_weight}: must be >= 0")
     _need(m.bias_update_rate >= 0, f"model.bias_update_rate={m.bias_update_rate}: must be >= 0")
+    _need(m.seq_aux_loss_alpha >= 0, f"model.seq_aux_loss_alpha={m.seq_aux_loss_alpha}: must be >= 0")
+    _need(m.init_from is None or m.init_from.split(":", 1)[0] in ("hf", "orbax") and ":" in m.init_from,
+          f"model.init_from={m.init_from}: must be hf:PATH or orbax:PATH")
     rs = m.rope_scaling
     if rs.type is RopeType.yarn:
         _need(rs.original_max_position_embeddings > 0,
@@ -434,8 +457,15 @@ def validate(cfg: Config) -> None:
           f"data.seq_len={d.seq_len}: must be <= model.max_position_embeddings ({m.max_position_embeddings})")
     _need(0.0 <= d.eval_fraction < 1.0, f"data.eval_fraction={d.eval_fraction}: must be in [0, 1)")
     _need(d.tokenizer_train_mb > 0, f"data.tokenizer_train_mb={d.tokenizer_train_mb}: must be > 0")
-    if d.source is DataSource.text:
-        _need(len(d.paths) > 0, "data.paths: data.source=text needs at least one file or glob")
+    if d.source is DataSource.stdlib:
+        _need(not d.paths, "data.paths: only used with data.source=text, jsonl, parquet or arrayrecord")
+    else:
+        _need(len(d.paths) > 0, f"data.paths: data.source={d.source.value} needs at least one file or glob")
+    _need(d.text_mode is TextMode.document or d.source in (DataSource.text, DataSource.stdlib),
+          f"data.text_mode={d.text_mode.value}: only applies to data.source=text or stdlib")
+    _need(d.text_field != "", "data.text_field: must name a field or column")
+    _need(d.block_size >= 0, f"data.block_size={d.block_size}: must be >= 0 (0: no splitting)")
+    _need(d.workers >= 0, f"data.workers={d.workers}: must be >= 0 (0: read in-process)")
     if d.tokenizer is None:
         _need(m.vocab_size >= 260, f"model.vocab_size={m.vocab_size}: a trained byte-level BPE needs "
                                    f">= 260 (256 bytes + special tokens)")
@@ -454,10 +484,17 @@ def validate(cfg: Config) -> None:
     _need(t.log_every > 0, f"train.log_every={t.log_every}: must be a positive integer")
     _need(t.eval_every >= 0, f"train.eval_every={t.eval_every}: must be >= 0 (0: only at the end)")
     _need(t.eval_batches >= 0, f"train.eval_batches={t.eval_batches}: must be >= 0")
+    _need(t.stop_at >= 0, f"train.stop_at={t.stop_at}: must be >= 0 (0: run to train.steps)")
+    _need(t.grad_accum >= 1, f"train.grad_accum={t.grad_accum}: must be a positive integer")
+    _need(t.loss_scale_init > 0, f"train.loss_scale_init={t.loss_scale_init}: must be > 0")
+    _need(t.loss_scale_growth_interval >= 1,
+          f"train.loss_scale_growth_interval={t.loss_scale_growth_interval}: must be a positive integer")
+    _need(t.global_batch_size % t.grad_accum == 0,
+          f"train.global_batch_size={t.global_batch_size}: must be divisible by train.grad_accum ({t.grad_accum})")
     batch_shards = math.prod(v for k, v in axes.items() if k in ("data", "fsdp", "expert") and v > 0)
-    _need(t.global_batch_size % batch_shards == 0,
-          f"train.global_batch_size={t.global_batch_size}: must be divisible by the batch shards "
-          f"mesh.data x mesh.fsdp x mesh.expert ({batch_shards})")
+    _need((t.global_batch_size // t.grad_accum) % batch_shards == 0,
+          f"train.global_batch_size={t.global_batch_size}: each of the {t.grad_accum} microbatches must be "
+          f"divisible by the batch shards mesh.data x mesh.fsdp x mesh.expert ({batch_shards})")
     _need(c.every > 0, f"checkpoint.every={c.every}: must be a positive integer")
     _need(c.keep > 0, f"checkpoint.keep={c.keep}: must be a positive integer")
 

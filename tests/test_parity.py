@@ -63,7 +63,7 @@ def test_parity_with_pytorch(name, tmp_path):
     (loss, out), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(params)
 
     d_logits = float(np.abs(np.asarray(out.logits) - logits_ref).max())
-    d_loss = abs(float(loss) - float(out_ref.loss))
+    d_loss = abs(float(loss) - out_ref.loss.item())
     grad_leaves = modellib.leaves(grads)
     d_grad, worst = 0.0, ""
     for e in main_entries(cfg):

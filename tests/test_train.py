@@ -16,7 +16,7 @@ from tensorboardX.proto import event_pb2
 
 from r1jax import config as configlib
 from r1jax.data import tokenizer as toklib
-from r1jax.data.corpus import TextFiles
+from r1jax.data.corpus import open_corpus
 from r1jax.data.pipeline import lm_batches, split_documents
 from r1jax.train.__main__ import main as train_main
 
@@ -37,29 +37,36 @@ def read_scalars(logdir) -> dict[str, list[tuple[int, float]]]:
     return out
 
 
+TINY_ARGS = ["train.steps=16", "train.log_every=1", "checkpoint.every=8", "train.eval_every=8"]
+
+
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     run = tmp_path_factory.mktemp("tiny") / "run"
-    rc = train_main(["--config", str(ROOT / "configs" / "tiny.yaml"), "--run-dir", str(run),
-                     "train.steps=30", "train.log_every=5", "checkpoint.every=10"])
-    assert rc == 0
+    assert train_main(["--config", str(ROOT / "configs" / "tiny.yaml"), "--run-dir", str(run), *TINY_ARGS]) == 0
     return run
 
 
 def test_loss_falls_and_records_land(tiny_run):
     recs = [json.loads(l) for l in (tiny_run / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in recs if "split" not in r]
-    assert [r["step"] for r in train] == [5, 10, 15, 20, 25, 30]
+    assert [r["step"] for r in train] == list(range(1, 17))
     for key in ("loss", "lm_loss", "mtp_loss", "lr", "grad_norm", "param_norm", "tokens_per_s", "step_time",
-                "expert_imbalance"):
+                "expert_imbalance", "mfu", "loss_scale", "balance_loss"):
         assert all(np.isfinite(r[key]) for r in train), key
-    first, last = train[0]["lm_loss"], train[-1]["lm_loss"]
+    assert len(train[0]["expert_imbalance_layers"]) == 2
+    first, last = np.mean([r["lm_loss"] for r in train[:3]]), np.mean([r["lm_loss"] for r in train[-3:]])
     print(f"\ntiny run: lm loss {first:.3f} -> {last:.3f}")
     assert last < first - 0.5
+    evals = [r for r in recs if r.get("split") == "eval"]
+    assert [r["step"] for r in evals] == [8, 16] and all(r["perplexity"] > 1 for r in evals)
     scalars = read_scalars(tiny_run / "tensorboard")
-    for tag in ("train/loss", "train/mtp_loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "eval/loss"):
+    for tag in ("train/loss", "train/mtp_loss", "train/lr", "train/grad_norm", "train/param_norm",
+                "train/tokens_per_s", "train/step_time", "train/mfu", "train/expert_imbalance",
+                "train/loss_scale", "moe/imbalance_layer_0", "moe/imbalance_layer_1", "eval/loss",
+                "eval/perplexity"):
         assert tag in scalars, tag
-    assert [s for s, _ in scalars["train/loss"]] == [5, 10, 15, 20, 25, 30]
+    assert [s for s, _ in scalars["train/loss"]] == list(range(1, 17))
     assert np.isclose(scalars["train/loss"][-1][1], train[-1]["loss"], rtol=1e-6)
     assert (tiny_run / "loss.png").stat().st_size > 1000
     assert (tiny_run / "tokenizer.json").is_file()
@@ -67,13 +74,39 @@ def test_loss_falls_and_records_land(tiny_run):
 
 def test_run_dir_holds_resolved_config_and_checkpoints(tiny_run):
     cfg = configlib.from_dict(yaml.safe_load((tiny_run / "config.yaml").read_text()))
-    assert cfg.train.steps == 30 and cfg.checkpoint.every == 10
+    assert cfg.train.steps == 16 and cfg.checkpoint.every == 8
     steps = sorted(int(p.name) for p in (tiny_run / "checkpoints").iterdir() if p.name.isdigit())
-    assert steps == [20, 30]                               # keep: 2
+    assert steps == [8, 16]
     for item in ("params", "opt_state", "meta", "data"):
-        assert (tiny_run / "checkpoints" / "30" / item).exists(), item
+        assert (tiny_run / "checkpoints" / "16" / item).exists(), item
+    meta = json.loads((tiny_run / "checkpoints" / "16" / "meta" / "metadata").read_text())
+    assert meta["step"] == 16 and len(meta["rng"]) == 2 and meta["loss_scale"] == 1.0
     final = json.loads((tiny_run / "final.json").read_text())
-    assert final["step"] == 30 and "eval_loss" in final
+    assert final["step"] == 16 and "eval_loss" in final and final["stopped"] is None
+
+
+def test_restart_equals_straight_run_bitwise(tiny_run, tmp_path):
+    """N steps, stop (checkpoint), restart, N steps == 2N steps straight: per-step loss and final
+    parameters bitwise (the data iterator, optimizer, router biases and step all restore)."""
+    run = tmp_path / "resumed"
+    args = ["--config", str(ROOT / "configs" / "tiny.yaml"), "--run-dir", str(run), *TINY_ARGS]
+    assert train_main(args + ["train.stop_at=8"]) == 0
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == ["8"]
+    assert json.loads((run / "final.json").read_text())["stopped"] == "train.stop_at"
+    assert train_main(args) == 0
+
+    def losses(r):
+        return [(x["step"], x["loss"], x["grad_norm"]) for x in map(json.loads, (r / "metrics.jsonl").read_text()
+                                                                     .splitlines()) if "split" not in x]
+    a, b = losses(tiny_run), losses(run)
+    assert [s for s, *_ in b] == list(range(1, 17))
+    assert a == b
+    from r1jax.train.checkpoint import ParamsReader
+    ra, rb = ParamsReader(tiny_run / "checkpoints"), ParamsReader(run / "checkpoints")
+    assert ra.step == rb.step == 16 and ra.shapes.keys() == rb.shapes.keys()
+    for key in ra.shapes:
+        assert np.array_equal(ra.read(key), rb.read(key)), key
+    print(f"\nrestart at 8 of 16: {len(a)} per-step losses and {len(ra.shapes)} parameter arrays bitwise equal")
 
 
 def test_training_checkpoint_converts_to_hf(tiny_run, tmp_path):
@@ -87,7 +120,7 @@ def test_training_checkpoint_converts_to_hf(tiny_run, tmp_path):
 
 def test_packing_keeps_every_token_and_splits_long_documents():
     cfg = configlib.load(ROOT / "configs" / "tiny.yaml")
-    docs = TextFiles.from_config(cfg.data)
+    docs = open_corpus(cfg.data)
     tok = toklib.train((docs[i] for i in range(50)), 512)
     eos = toklib.eos_id(tok)
     idx = list(range(6))

@@ -1,18 +1,25 @@
-"""Document sources: the Python standard library's own sources, or user text files / globs.
+"""Document sources: random-access sequences of documents that Grain shuffles and shards by index.
 
-A source is a random-access sequence of documents (one per file) that Grain can shuffle and
-shard by index. Files are read lazily; undecodable bytes become U+FFFD and empty files are
-skipped, both counted so a bad corpus is visible rather than silently shrunk.
+`open_corpus(data_config)` picks the source. Text files are one document per file, or one per
+non-empty line (`data.text_mode=lines`); JSON Lines hold one object per line with the text under
+`data.text_field`; Parquet and ArrayRecord live in `records.py`. Each source scans its files once
+when opened: that builds the index random access needs (byte offsets, row numbers) and counts what
+was wrong with the data -- bytes that were not UTF-8, empty documents, malformed JSON lines -- so a
+bad corpus is visible in `stats` rather than silently shrunk. Documents are read lazily afterwards.
 """
 from __future__ import annotations
 
 import dataclasses
 import glob
+import json
 import sysconfig
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
-from r1jax.config import ConfigError, DataConfig, DataSource
+import numpy as np
+
+from r1jax.config import ConfigError, DataConfig, DataSource, TextMode
+from r1jax.data import text as textlib
 
 
 def stdlib_files() -> list[Path]:
@@ -34,25 +41,176 @@ def expand(patterns: Sequence[str]) -> list[Path]:
 
 
 @dataclasses.dataclass
-class TextFiles:
-    """Documents = files; `skipped_empty` counts files of zero bytes left out."""
-    paths: list[Path]
+class Scan:
+    """What one pass over the data found; becomes `Corpus.stats`."""
+    files: int = 0
+    documents: int = 0
     skipped_empty: int = 0
+    replaced_chars: int = 0   # U+FFFD introduced for undecodable bytes (pre-existing ones excluded)
+    bad_records: int = 0      # JSON lines/records that do not parse or lack the text field
+    first_bad: str | None = None
+    bytes: int = 0            # UTF-8 bytes of the kept documents
+
+    def text(self, raw: bytes | str, clean: bool, replaced: int = 0) -> str | None:
+        """The document's text, or None (counted) when it is blank. Replacements count only in kept
+        documents: that is the damage training sees."""
+        text, fixed = textlib.decode(raw) if isinstance(raw, bytes) else textlib.unsurrogate(raw)
+        if clean:
+            text = textlib.clean(text)
+        if textlib.blank(text):
+            self.skipped_empty += 1
+            return None
+        self.documents += 1
+        self.replaced_chars += replaced + fixed
+        self.bytes += len(raw) if isinstance(raw, bytes) else len(text.encode())
+        return text
+
+    def json_text(self, raw: bytes, field: str, clean: bool, where: str) -> str | None:
+        """The text under `field` of a JSON object, or None (counted) when blank or malformed."""
+        text, replaced = textlib.decode(raw)
+        if textlib.blank(text):       # a blank line between records is spacing, not a bad record
+            self.skipped_empty += 1
+            return None
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError:
+            obj = None
+        if not isinstance(obj, dict) or not isinstance(obj.get(field), str):
+            self.bad(where)
+            return None
+        return self.text(obj[field], clean, replaced)
+
+    def bad(self, where: str) -> None:
+        self.bad_records += 1
+        self.first_bad = self.first_bad or where
+
+
+class Corpus:
+    """Random-access documents; subclasses implement `__len__` and `_text(i)` (raw, before cleaning)."""
+    stats: dict[str, Any]
+    clean: bool = False
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def _text(self, i: int) -> str:
+        raise NotImplementedError
+
+    def __getitem__(self, i: int) -> str:
+        text = self._text(int(i))
+        return textlib.clean(text) if self.clean else text
+
+    def total_bytes(self) -> int:
+        return self.stats["bytes"]
+
+    @property
+    def skipped_empty(self) -> int:
+        return self.stats["skipped_empty"]
+
+
+class TextFiles(Corpus):
+    """Documents = whole files."""
+
+    def __init__(self, paths: list[Path], stats: dict[str, Any], clean: bool = False):
+        self.paths, self.stats, self.clean = paths, stats, clean
 
     @classmethod
-    def from_config(cls, d: DataConfig) -> "TextFiles":
-        paths = stdlib_files() if d.source is DataSource.stdlib else expand(d.paths)
-        kept = [p for p in paths if p.stat().st_size > 0]
-        if not kept:
-            raise ConfigError(f"data: the corpus is empty ({len(paths)} files, all empty)"
-                              if paths else "data: the corpus has no files")
-        return cls(kept, len(paths) - len(kept))
+    def scan(cls, files: list[Path], clean: bool) -> "TextFiles":
+        s, kept = Scan(files=len(files)), []
+        for p in files:
+            if s.text(p.read_bytes(), clean) is not None:
+                kept.append(p)
+        return cls(kept, dataclasses.asdict(s), clean)
+
+    @classmethod
+    def from_config(cls, d: DataConfig) -> Corpus:
+        """Kept for callers of the first API; any source, as `open_corpus`."""
+        return open_corpus(d)
 
     def __len__(self) -> int:
         return len(self.paths)
 
-    def __getitem__(self, i: int) -> str:
+    def _text(self, i: int) -> str:
         return self.paths[i].read_bytes().decode("utf-8", errors="replace")
 
-    def total_bytes(self) -> int:
-        return sum(p.stat().st_size for p in self.paths)
+
+class LineDocs(Corpus):
+    """Documents = lines of files, found through a byte-offset index built once. With `field`
+    set, each line is a JSON object whose `field` holds the text (JSON Lines)."""
+
+    def __init__(self, files: list[str], starts: np.ndarray, offsets: np.ndarray, lengths: np.ndarray,
+                 field: str | None, stats: dict[str, Any], clean: bool):
+        self.files, self.starts, self.offsets, self.lengths = files, starts, offsets, lengths
+        self.field, self.stats, self.clean = field, stats, clean
+
+    @classmethod
+    def scan(cls, files: list[Path], field: str | None, clean: bool) -> "LineDocs":
+        s = Scan(files=len(files))
+        starts, offsets, lengths = [], [], []
+        for path in files:
+            starts.append(len(offsets))
+            offset = 0
+            with open(path, "rb") as f:
+                for lineno, raw in enumerate(f, 1):
+                    line = raw.rstrip(b"\r\n")
+                    if field is None:
+                        keep = s.text(line, clean) is not None
+                    else:
+                        keep = s.json_text(line, field, clean, f"{path}:{lineno}") is not None
+                    if keep:
+                        offsets.append(offset)
+                        lengths.append(len(line))
+                    offset += len(raw)
+        return cls([str(p) for p in files], np.asarray(starts, np.int64), np.asarray(offsets, np.int64),
+                   np.asarray(lengths, np.int64), field, dataclasses.asdict(s), clean)
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def _text(self, i: int) -> str:
+        f = int(np.searchsorted(self.starts, i, side="right")) - 1
+        with open(self.files[f], "rb") as fh:
+            fh.seek(int(self.offsets[i]))
+            raw = fh.read(int(self.lengths[i]))
+        text = raw.decode("utf-8", errors="replace")
+        return text if self.field is None else textlib.unsurrogate(json.loads(text)[self.field])[0]
+
+
+def _scan(d: DataConfig, files: list[Path]) -> Corpus:
+    if d.source in (DataSource.stdlib, DataSource.text):
+        if d.text_mode is TextMode.document:
+            return TextFiles.scan(files, d.clean)
+        return LineDocs.scan(files, None, d.clean)
+    if d.source is DataSource.jsonl:
+        return LineDocs.scan(files, d.text_field, d.clean)
+    from r1jax.data import records  # pyarrow and array_record load only when asked for
+    opener = records.ParquetDocs if d.source is DataSource.parquet else records.ArrayRecordDocs
+    return opener.scan(files, d.text_field, d.clean)
+
+
+def open_corpus(d: DataConfig) -> Corpus:
+    """The documents `d` names; ConfigError (one line) when there are none."""
+    files = stdlib_files() if d.source is DataSource.stdlib else expand(d.paths)
+    try:
+        corpus = _scan(d, files)
+    except OSError as e:
+        raise ConfigError(f"data.paths: cannot read {e.filename} ({e.strerror})") from None
+    if len(corpus) == 0:
+        s = corpus.stats
+        where = "data.source=stdlib" if d.source is DataSource.stdlib else f"data.paths ({d.source.value})"
+        bad = f", {s['bad_records']} bad (first: {s['first_bad']})" if s["bad_records"] else ""
+        raise ConfigError(f"{where}: the corpus is empty: {s['files']} files, {s['skipped_empty']} empty "
+                          f"documents{bad}")
+    return corpus
+
+
+def describe(corpus: Corpus) -> str:
+    """One log line: how much was read and what was wrong with it."""
+    s = corpus.stats
+    line = (f"{s['documents']} documents from {s['files']} files ({s['bytes'] / 2**20:.1f} MB); "
+            f"skipped {s['skipped_empty']} empty")
+    if s["bad_records"]:
+        line += f", {s['bad_records']} malformed (first: {s['first_bad']})"
+    if s["replaced_chars"]:
+        line += f"; {s['replaced_chars']} undecodable byte sequences became U+FFFD"
+    return line

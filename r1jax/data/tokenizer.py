@@ -4,7 +4,7 @@ expects by default: <|bos|> 0, <|eos|> 1, <|pad|> 2."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -21,6 +21,19 @@ def train(texts: Iterable[str], vocab_size: int) -> Tokenizer:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(texts, trainer)
     return tok
+
+
+def train_on(docs: Sequence[str], vocab_size: int, megabytes: float) -> Tokenizer:
+    """Train on the corpus's documents in order until `megabytes` of text (as data.tokenizer_train_mb)."""
+    def texts():
+        seen = 0
+        for i in range(len(docs)):
+            text = docs[i]
+            yield text
+            seen += len(text)
+            if seen >= megabytes * 2**20:
+                return
+    return train(texts(), vocab_size)
 
 
 def load(path: str | Path) -> Tokenizer:

@@ -39,6 +39,19 @@ def route(x_TD: jax.Array, weight_DE: jax.Array, bias_E: jax.Array, cfg: ModelCo
     return w * cfg.routed_scaling_factor, idx.astype(jnp.int32), s
 
 
+def sequence_balance_loss(s_TE: jax.Array, idx_Tk: jax.Array, rows: int) -> jax.Array:
+    """DeepSeek-V3's sequence-wise balance loss (eq. 17-20) without alpha, averaged over rows:
+    sum_i f_i P_i with f_i = E/(k T) * (tokens routed to i), P_i = mean_t s'_i,t, s' = s / sum_j s_j.
+    f carries no gradient; the loss reaches the router only through P."""
+    T, E = s_TE.shape
+    k = idx_Tk.shape[1]
+    s = s_TE.reshape(rows, T // rows, E)
+    counts = jax.nn.one_hot(idx_Tk.reshape(rows, -1), E, dtype=jnp.float32).sum(1)       # [rows,E]
+    f = jax.lax.stop_gradient(counts * E / (k * (T // rows)))
+    p = (s / s.sum(-1, keepdims=True)).mean(1)
+    return jnp.mean(jnp.sum(f * p, axis=-1))
+
+
 class MoE(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, *, rngs: nnx.Rngs):
         D, E, F = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
@@ -55,7 +68,7 @@ class MoE(nnx.Module):
         cfg, dt = self.cfg, self.dtype
         B, T, D = x_BTD.shape
         x_TD = x_BTD.reshape(B * T, D)
-        w, idx, _ = route(x_TD, self.router_DE[...], self.router_bias_E[...], cfg)
+        w, idx, scores = route(x_TD, self.router_DE[...], self.router_bias_E[...], cfg)
         kind = dispatch.resolve(cfg.moe_dispatch.value)
         y, dropped = dispatch.ROUTED[kind](
             x_TD, w, idx, cast(self.gate_EDF, dt), cast(self.up_EDF, dt), cast(self.down_EFD, dt),
@@ -63,5 +76,6 @@ class MoE(nnx.Module):
         y = checkpoint_name(constrain(y.reshape(B, T, D), "batch", "seq", "act_embed"), "moe_routed")
         if self.shared is not None:
             y = y + self.shared(x_BTD)
-        aux = {"load": dispatch.expert_load(idx, cfg.n_routed_experts), "dropped": dropped, "idx": idx}
+        aux = {"load": dispatch.expert_load(idx, cfg.n_routed_experts), "dropped": dropped, "idx": idx,
+               "balance": sequence_balance_loss(scores, idx, B) if cfg.seq_aux_loss_alpha else jnp.float32(0.0)}
         return y, aux

@@ -31,6 +31,10 @@ POLICIES = {
     Remat.full: jax.checkpoint_policies.nothing_saveable,
     Remat.save_attention: jax.checkpoint_policies.save_only_these_names("attn_out"),
     Remat.save_dots: jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # save_attention's set, but parked in pinned host memory until the backward pass needs it
+    Remat.offload: jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=["attn_out"],
+        offload_src="device", offload_dst="pinned_host"),
 }
 
 

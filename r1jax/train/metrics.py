@@ -1,7 +1,9 @@
 """Where metrics go: tensorboardX scalars, one JSON object per line, the console, a loss PNG.
 
-Only process 0 writes. Tensorboard tags are `train/<name>` and `eval/<name>`; the JSONL
-records carry `step` plus the same names (e.g. `loss`, `lr`, `grad_norm`, `tokens_per_s`)."""
+Only process 0 writes. Tensorboard tags are `train/<name>` and `eval/<name>`, and per-layer
+expert-load imbalance (max/mean) is `moe/imbalance_layer_<i>`; the JSONL records carry `step`
+plus the same names (e.g. `loss`, `lr`, `grad_norm`, `tokens_per_s`, `mfu`). On a terminal the
+console shows a live progress bar; otherwise one plain line per log step."""
 from __future__ import annotations
 
 import json
@@ -35,19 +37,9 @@ class MetricsWriter:
         for k, v in values.items():
             if isinstance(v, (int, float)) and math.isfinite(v):
                 self.tb.add_scalar(f"{prefix}/{k}", v, step)
-
-    def console(self, step: int, values: dict[str, float]) -> None:
-        if not self.active:
-            return
-        done = step / max(self.total, 1)
-        elapsed = time.time() - self.t0
-        eta = elapsed / done * (1 - done) if done > 0 else float("nan")
-        parts = [f"step {step}/{self.total}", f"loss {values['loss']:.4f}"]
-        if "mtp_loss" in values and values["mtp_loss"]:
-            parts.append(f"mtp {values['mtp_loss']:.4f}")
-        parts += [f"lr {values['lr']:.2e}", f"gnorm {values['grad_norm']:.3f}",
-                  f"{values['tokens_per_s']:.0f} tok/s", f"eta {eta:.0f}s"]
-        print(" | ".join(parts), flush=True)
+            elif k == "expert_imbalance_layers":
+                for i, x in enumerate(v):
+                    self.tb.add_scalar(f"moe/imbalance_layer_{i}", x, step)
 
     def plot(self, path: Path) -> None:
         """Loss curves (train loss, its MTP part, eval loss) as a PNG."""
@@ -76,6 +68,53 @@ class MetricsWriter:
         if self.active:
             self.tb.close()
             self.jsonl.close()
+
+
+def _line(step: int, total: int, v: dict, elapsed: float, done_frac: float) -> str:
+    eta = elapsed / done_frac * (1 - done_frac) if done_frac > 0 else float("nan")
+    parts = [f"step {step}/{total}", f"loss {v['loss']:.4f}"]
+    if v.get("mtp_loss"):
+        parts.append(f"mtp {v['mtp_loss']:.4f}")
+    parts += [f"lr {v['lr']:.2e}", f"gnorm {v['grad_norm']:.3f}", f"{v['tokens_per_s']:.0f} tok/s"]
+    if math.isfinite(v.get("mfu", math.nan)):
+        parts.append(f"mfu {100 * v['mfu']:.1f}%")
+    if v.get("skipped"):
+        parts.append(f"skipped {int(v['skipped'])} (loss scale {v['loss_scale']:.0f})")
+    parts.append(f"eta {eta:.0f}s")
+    return " | ".join(parts)
+
+
+class Progress:
+    """A rich progress bar when stdout is a terminal (process 0), plain log lines otherwise."""
+
+    def __init__(self, total: int, start: int):
+        self.total, self.start, self.t0 = total, start, time.time()
+        self.live = jax.process_index() == 0 and sys.stdout.isatty()
+        self.bar = None
+        if self.live:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, \
+                TimeRemainingColumn
+            self.bar = RichProgress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                                    TextColumn("{task.description}"))
+            self.task = self.bar.add_task("", total=total, completed=start)
+            self.bar.start()
+
+    def update(self, step: int, metrics: dict | None) -> None:
+        if self.bar is not None:
+            desc = f"loss {float(metrics['loss']):.4f}" if metrics is not None else ""
+            self.bar.update(self.task, completed=step, description=desc)
+
+    def log(self, step: int, values: dict) -> None:
+        if jax.process_index() != 0:
+            return
+        frac = (step - self.start) / max(self.total - self.start, 1)
+        text = _line(step, self.total, values, time.time() - self.t0, frac)
+        (self.bar.console.print if self.bar is not None else print)(text)
+        sys.stdout.flush()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
 
 
 def log_line(msg: str) -> None:

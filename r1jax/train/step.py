@@ -1,11 +1,21 @@
 """The pure train step: (state, batch) -> (state, metrics), jitted with donated, pinned shardings.
 
-State is a plain pytree: {"params": nnx.State of Params (fp32 masters), "rest": the non-trainable
-variables (router biases), "opt": optax state, "step": int32}. The model's graphdef is split
-once outside and merged inside, so the step is a pure function of arrays.
+State is a plain pytree:
+    params      nnx.State of Params (fp32 masters)
+    rest        the non-trainable variables (router biases)
+    opt         optax state (sharded like params)
+    step        int32
+    rng         uint32 key data (folded with the step wherever randomness is needed)
+    loss_scale  {"scale": f32, "good_steps": i32}; fixed at 1 unless train.dtype is fp16
+The model's graphdef is split once outside and merged inside, so the step is a pure function.
 
-After the optimizer update, DeepSeek-V3's aux-loss-free balancing moves each router bias by
-gamma * sign(mean load - load) using the batch's routed-token counts per expert.
+One step: the global batch is split into `train.grad_accum` microbatches (rows a, a+A, ... so
+each keeps its data sharding), scanned with gradients summed in fp32; every loss is normalised
+by the whole batch's target count, so A microbatches equal one large batch. fp16 multiplies the
+loss by the dynamic scale, skips the update when any gradient is not finite (scale x0.5) and
+doubles the scale after `loss_scale_growth_interval` good steps, like torch's GradScaler. After
+the optimizer, DeepSeek-V3's aux-loss-free balancing moves each router bias by
+gamma * sign(mean load - load) using the step's routed-token counts.
 """
 from __future__ import annotations
 
@@ -15,12 +25,12 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
 
-from r1jax.config import Config
+from r1jax.config import Config, DType
 from r1jax.model import Transformer
 from r1jax.parallel import mesh as meshlib
-from r1jax.train.loss import lm_losses, total_loss
+from r1jax.train.loss import combine, cross_entropy_sum, loss_sums, shifted_targets, target_counts
 
 State = dict[str, Any]
 
@@ -34,22 +44,26 @@ def _shardings(tree, mesh: Mesh):
     """NamedShardings from Variables' logical annotations; replicated for plain leaves (counts)."""
     def one(x):
         if isinstance(x, nnx.Variable):
-            return x.replace(NamedSharding(mesh, meshlib.logical_spec(*x.get_metadata()["out_sharding"]))) \
-                if x.get_metadata().get("out_sharding") else x.replace(meshlib.replicated(mesh))
+            names = x.get_metadata().get("out_sharding")
+            spec = meshlib.logical_spec(*names) if names else jax.sharding.PartitionSpec()
+            return x.replace(NamedSharding(mesh, spec))
         return meshlib.replicated(mesh)
     with meshlib.activate(mesh):
         return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def init_state(model: Transformer, tx: optax.GradientTransformation, mesh: Mesh):
+def init_state(model: Transformer, tx: optax.GradientTransformation, mesh: Mesh, cfg: Config):
     """(graphdef, state, state shardings) with the optimizer state sharded like its params."""
     graphdef, params, rest = split_model(model)
-    abstract = {"params": params, "rest": rest, "opt": jax.eval_shape(tx.init, params),
-                "step": jax.ShapeDtypeStruct((), jnp.int32)}
+    t = cfg.train
+    scale = t.loss_scale_init if t.dtype is DType.fp16 else 1.0
+    small = {"step": jnp.int32(0), "rng": jax.random.key_data(jax.random.key(t.seed)),
+             "loss_scale": {"scale": jnp.float32(scale), "good_steps": jnp.int32(0)}}
+    abstract = {"params": params, "rest": rest, "opt": jax.eval_shape(tx.init, params), **small}
     shardings = _shardings(abstract, mesh)
     opt = jax.jit(tx.init, out_shardings=shardings["opt"])(params)
     state = {"params": params, "rest": rest, "opt": opt,
-             "step": jax.device_put(jnp.int32(0), shardings["step"])}
+             **jax.device_put(small, {k: shardings[k] for k in small})}
     return graphdef, state, shardings
 
 
@@ -58,46 +72,92 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
         return NamedSharding(mesh, meshlib.logical_spec("batch", "seq"))
 
 
-def update_router_bias(rest: nnx.State, aux: dict[str, jax.Array], rate: float) -> nnx.State:
+def update_router_bias(rest: nnx.State, load: jax.Array, mtp_load: jax.Array | None, rate: float) -> nnx.State:
     """b_i += rate * sign(mean_j load_j - load_i), per MoE layer and per MTP block."""
     if rate == 0:
         return rest
     flat = []
     for path, var in nnx.to_flat_state(rest):
         if path[-1] == "router_bias_E":
-            load = aux["load"] if path[0] == "moe_layers" else aux["mtp_load"][path[1]]
-            bias = var.get_value()
-            var = var.replace(bias + rate * jnp.sign(load.mean(-1, keepdims=True) - load))
+            lo = load if path[0] == "moe_layers" else mtp_load[path[1]]
+            var = var.replace(var.get_value() + rate * jnp.sign(lo.mean(-1, keepdims=True) - lo))
         flat.append((path, var))
     return nnx.from_flat_state(flat)
 
 
+def _tree_select(pred, new, old):
+    return jax.tree.map(lambda a, b: jnp.where(pred, a, b), new, old)
+
+
 def make_train_step(graphdef, tx: optax.GradientTransformation, cfg: Config, mesh: Mesh,
                     shardings: State, lr_schedule: Callable) -> Callable[[State, dict], tuple[State, dict]]:
-    m = cfg.model
-    mtp = m.num_nextn_predict_layers > 0
+    m, t = cfg.model, cfg.train
+    depth = m.num_nextn_predict_layers
+    accum = t.grad_accum
+    fp16 = t.dtype is DType.fp16
+    has_moe = m.num_moe_layers > 0
+    msh = shardings["params"]
+
+    def micro_loss(params, rest, mb, counts, scale):
+        """Loss of one microbatch, normalised by the whole batch's counts (so microbatches add)."""
+        out = nnx.merge(graphdef, params, rest)(mb["ids"], mb["positions"], mb["segment_ids"], mtp=depth > 0)
+        sums = loss_sums(out, mb["ids"], mb["segment_ids"])
+        loss = combine(sums, counts, m.mtp_loss_weight)
+        balance = sum(out.aux[k].sum() for k in ("balance", "mtp_balance") if k in out.aux) / accum
+        loss = loss + m.seq_aux_loss_alpha * balance
+        stats = {"sums": sums, "balance": balance}
+        for k in ("load", "dropped", "mtp_load", "mtp_dropped"):
+            if k in out.aux:
+                stats[k] = out.aux[k].astype(jnp.float32)
+        return loss * scale, stats
+
+    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
     def step(state: State, batch: dict[str, jax.Array]):
-        ids, seg, pos = batch["ids"], batch["segment_ids"], batch["positions"]
+        scale = state["loss_scale"]["scale"]
+        counts = target_counts(batch["segment_ids"], depth)
+        if accum == 1:
+            (loss, stats), grads = grad_fn(state["params"], state["rest"], batch, counts, scale)
+        else:
+            # microbatch a = rows a, a+A, ...: every device keeps the rows it already holds
+            micro = jax.tree.map(lambda x: x.reshape(-1, accum, *x.shape[1:]).swapaxes(0, 1), batch)
 
-        def loss_fn(params):
-            out = nnx.merge(graphdef, params, state["rest"])(ids, pos, seg, mtp=mtp)
-            losses = lm_losses(out, ids, seg)
-            return total_loss(losses, m.mtp_loss_weight), (losses, out.aux)
+            def body(carry, mb):
+                out, g = grad_fn(state["params"], state["rest"], mb, counts, scale)
+                g = jax.lax.with_sharding_constraint(g, msh)
+                return jax.tree.map(jnp.add, carry, (out, g)), None
 
-        (loss, (losses, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
-        grads = jax.lax.with_sharding_constraint(grads, shardings["params"])
+            first = jax.tree.map(lambda x: x[0], micro)
+            zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(
+                grad_fn, state["params"], state["rest"], first, counts, scale))
+            ((loss, stats), grads), _ = jax.lax.scan(body, zeros, micro)
+        grads = jax.lax.with_sharding_constraint(jax.tree.map(lambda g: g / scale, grads), msh)
+        loss = loss / scale
+        finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
         updates, opt = tx.update(grads, state["opt"], state["params"])
         params = optax.apply_updates(state["params"], updates)
-        rest = update_router_bias(state["rest"], aux, m.bias_update_rate) if "load" in aux else state["rest"]
-        metrics = {"loss": loss, "lm_loss": losses["lm"], "mtp_loss": losses["mtp"], "tokens": losses["tokens"],
-                   "grad_norm": optax.global_norm(grads), "param_norm": optax.global_norm(params),
-                   "lr": lr_schedule(state["step"])}
-        if "load" in aux:
-            load = aux["load"]
-            metrics["expert_imbalance"] = jnp.max(load.max(-1) / jnp.maximum(load.mean(-1), 1e-9))
-            metrics["dropped_frac"] = aux["dropped"].sum() / jnp.maximum(aux["idx"].size, 1)
-        new = {"params": params, "rest": rest, "opt": opt, "step": state["step"] + 1}
+        rest = state["rest"]
+        if has_moe:
+            rest = update_router_bias(rest, stats["load"], stats.get("mtp_load"), m.bias_update_rate)
+        new = {"params": params, "rest": rest, "opt": opt}
+        ls = state["loss_scale"]
+        if fp16:
+            new = _tree_select(finite, new, {k: state[k] for k in new})
+            good = jnp.where(finite, ls["good_steps"] + 1, 0)
+            grow = good >= t.loss_scale_growth_interval
+            ls = {"scale": jnp.where(finite, jnp.where(grow, ls["scale"] * 2, ls["scale"]), ls["scale"] * 0.5),
+                  "good_steps": jnp.where(grow, 0, good)}
+        means = stats["sums"] / jnp.maximum(counts, 1.0)
+        metrics = {"loss": loss, "lm_loss": means[0], "mtp_loss": jnp.mean(means[1:]) if depth else 0.0,
+                   "balance_loss": stats["balance"] * accum, "tokens": counts[0],
+                   "grad_norm": optax.tree.norm(grads), "param_norm": optax.tree.norm(new["params"]),
+                   "lr": lr_schedule(state["step"]), "loss_scale": ls["scale"],
+                   "skipped": (~finite).astype(jnp.float32)}
+        if has_moe:
+            load = stats["load"]
+            metrics["expert_imbalance"] = load.max(-1) / jnp.maximum(load.mean(-1), 1e-9)     # [L]
+            metrics["dropped_frac"] = stats["dropped"].sum() / jnp.maximum(load.sum(), 1.0)
+        new.update(step=state["step"] + 1, rng=state["rng"], loss_scale=ls)
         return new, metrics
 
     with meshlib.activate(mesh):
@@ -108,8 +168,6 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, cfg: Config, mes
 
 def make_eval_step(graphdef, cfg: Config, mesh: Mesh, shardings: State):
     """(state, batch) -> (sum of token losses, token count) for the main next-token loss."""
-    from r1jax.train.loss import cross_entropy_sum, shifted_targets
-
     def ev(state, batch):
         out = nnx.merge(graphdef, state["params"], state["rest"])(
             batch["ids"], batch["positions"], batch["segment_ids"])

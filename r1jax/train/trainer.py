@@ -1,17 +1,25 @@
-"""The training loop: data, model, optimizer, jitted step, logging, eval, checkpoints.
+"""The training loop: data, model, optimizer, jitted step, logging, eval, checkpoints, preemption.
 
 Run directory layout:
     config.yaml        the resolved config of the run
     tokenizer.json     the tokenizer (trained on the corpus unless data.tokenizer names one)
     metrics.jsonl      one JSON object per logged step (and per eval, with "split": "eval")
-    tensorboard/       tensorboardX event files (train/*, eval/*)
+    tensorboard/       tensorboardX event files (train/*, eval/*, moe/*)
     checkpoints/       Orbax steps (items params, opt_state, meta, data) + model_config.json
+    final.json         last metrics, eval results, compile time, MFU peak used
     loss.png           loss curves, written at the end
+
+Starting on a run directory that holds checkpoints resumes from the latest one with the very
+next batch. SIGTERM or SIGUSR1 (what SLURM sends before a time limit or a preemption) lets the
+current step finish, saves, prints "preempted at step S" and returns normally.
 """
 from __future__ import annotations
 
 import json
 import math
+import signal
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -21,21 +29,27 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import psutil
+from flax import nnx
 
 from r1jax import config as configlib
 from r1jax import model as modellib
-from r1jax.config import Config, ConfigError
+from r1jax.config import Config, ConfigError, ModelConfig
 from r1jax.data import tokenizer as toklib
-from r1jax.data.corpus import TextFiles
+from r1jax.data.corpus import describe, open_corpus
 from r1jax.data.pipeline import lm_batches, split_documents
 from r1jax.model.params import count as count_params
 from r1jax.parallel import mesh as meshlib
 from r1jax.train import checkpoint as ckpt
-from r1jax.train import optim
-from r1jax.train.metrics import MetricsWriter, log_line
+from r1jax.train import mfu, optim
+from r1jax.train.metrics import MetricsWriter, Progress, log_line
 from r1jax.train.step import batch_sharding, init_state, make_eval_step, make_train_step
 
 BYTES_PER_PARAM = 16   # fp32 master + fp32 gradient + Adam mu and nu
+ITEMS = ("params", "opt_state", "meta", "data")
+# keys that change only how r1jax trains or runs, not the weights a checkpoint holds
+RUN_ONLY_KEYS = {"mtp_loss_weight", "bias_update_rate", "seq_aux_loss_alpha", "init_from", "moe_dispatch",
+                 "capacity_factor", "moe_tile_size", "hf_config", "num_nextn_predict_layers",
+                 "initializer_range", "bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings"}
 
 
 def preflight(cfg: Config, devices: list) -> None:
@@ -54,28 +68,17 @@ def preflight(cfg: Config, devices: list) -> None:
             f"that spreads it (see README, 'Scale'), or shrink the model")
 
 
-def _tokenizer(cfg: Config, run_dir: Path, docs: TextFiles):
+def _tokenizer(cfg: Config, run_dir: Path, docs):
     cached = run_dir / "tokenizer.json"
     if cfg.data.tokenizer:
         tok = toklib.load(cfg.data.tokenizer)
     elif cached.is_file():
         tok = toklib.load(cached)
     else:
-        limit = int(cfg.data.tokenizer_train_mb * 2**20)
-
-        def texts():
-            seen = 0
-            for i in range(len(docs)):
-                text = docs[i]
-                seen += len(text)
-                yield text
-                if seen >= limit:
-                    return
-
         t0 = time.time()
-        tok = toklib.train(texts(), cfg.model.vocab_size)
-        log_line(f"trained a byte-level BPE tokenizer ({tok.get_vocab_size()} tokens) on "
-                 f"{min(limit, docs.total_bytes()) / 2**20:.1f} MB in {time.time() - t0:.1f}s")
+        tok = toklib.train_on(docs, cfg.model.vocab_size, cfg.data.tokenizer_train_mb)
+        log_line(f"trained a byte-level BPE tokenizer ({tok.get_vocab_size()} tokens) on up to "
+                 f"{cfg.data.tokenizer_train_mb:g} MB of the corpus in {time.time() - t0:.1f}s")
     if tok.get_vocab_size() > cfg.model.vocab_size:
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size}: the tokenizer has {tok.get_vocab_size()} "
                           f"tokens; vocab_size must be at least that")
@@ -84,141 +87,237 @@ def _tokenizer(cfg: Config, run_dir: Path, docs: TextFiles):
     return tok
 
 
+# ------------------------------------------------------------------------------ weights
+def _same_architecture(cfg: ModelConfig, other: ModelConfig, source: str) -> None:
+    for key, value in configlib.to_dict(cfg).items():
+        if key not in RUN_ONLY_KEYS and configlib.to_dict(other)[key] != value:
+            raise ConfigError(f"model.init_from: {source} has {key}={configlib.to_dict(other)[key]} "
+                              f"but the config says {key}={value}")
+
+
+def _initial_model(cfg: Config, mesh, dtype) -> modellib.Transformer:
+    """Fresh weights, or those named by model.init_from (MTP modules it lacks stay fresh)."""
+    m, t = cfg.model, cfg.train
+    if not m.init_from:
+        return modellib.build(m, mesh, seed=t.seed, dtype=dtype, remat=t.remat)
+    kind, path = m.init_from.split(":", 1)
+    if not Path(path).is_dir():
+        raise ConfigError(f"model.init_from={m.init_from}: {path} is not a directory")
+    graphdef, abs_state = modellib.abstract(m, mesh, dtype, t.remat)
+    abs_leaves = modellib.leaves(abs_state)
+    if kind == "hf":
+        from r1jax.convert import hf
+        src_cfg, loaded = hf.load(path, mesh=mesh, dtype=dtype, remat=t.remat)
+        _same_architecture(m, src_cfg, path)
+        values = modellib.leaves(nnx.state(loaded))
+        del loaded
+    else:
+        src_cfg = ckpt.read_model_config(path)
+        _same_architecture(m, src_cfg, path)
+        reader = ckpt.ParamsReader(path)
+        keys = [p for p in abs_leaves if ckpt.path_key(p) in reader.shapes]
+        values = reader.read_all(keys, {p: abs_leaves[p].sharding for p in keys})
+    missing = [p for p in abs_leaves if p not in values]
+    if missing:
+        if any(p[0] != "mtp" for p in missing):
+            raise ConfigError(f"model.init_from: {path} lacks {'/'.join(map(str, missing[0]))}")
+        fresh = modellib.leaves(nnx.state(modellib.build(m, mesh, seed=t.seed, dtype=dtype, remat=t.remat)))
+        values.update({p: fresh[p] for p in missing})
+        log_line(f"init_from {path}: no MTP weights there; MTP modules start fresh")
+    log_line(f"initial weights from {m.init_from}")
+    return nnx.merge(graphdef, modellib.with_leaves(abs_state, values))
+
+
+# -------------------------------------------------------------------------- checkpoints
 def _manager(run_dir: Path, cfg: Config) -> ocp.CheckpointManager:
     options = ocp.CheckpointManagerOptions(
         max_to_keep=cfg.checkpoint.keep, enable_async_checkpointing=True,
         save_decision_policy=ocp.checkpoint_managers.FixedIntervalPolicy(cfg.checkpoint.every))
-    return ocp.CheckpointManager((run_dir / "checkpoints").absolute(), options=options,
-                                 item_names=("params", "opt_state", "meta", "data"),
+    return ocp.CheckpointManager((run_dir / "checkpoints").absolute(), options=options, item_names=ITEMS,
                                  item_handlers={"data": grain.checkpoint.CheckpointHandler()})
 
 
-def _save_args(state, data_iter, extra: dict):
-    model_state = ckpt.nest(modellib.leaves(state["params"]) | modellib.leaves(state["rest"]))
-    return ocp.args.Composite(
-        params=ocp.args.StandardSave(model_state),
-        opt_state=ocp.args.StandardSave(state["opt"]),
-        meta=ocp.args.JsonSave({"step": int(state["step"]), **extra}),
-        data=grain.checkpoint.CheckpointSave(data_iter))
+def _model_tree(state) -> dict:
+    return ckpt.nest(modellib.leaves(state["params"]) | modellib.leaves(state["rest"]))
 
 
-def _restore(mngr: ocp.CheckpointManager, step: int, state, shardings, data_iter):
+def _save(mngr, state, data_iter, force: bool = False) -> None:
+    step = int(state["step"])
+    meta = {"step": step, "rng": np.asarray(state["rng"]).tolist(),
+            "loss_scale": float(state["loss_scale"]["scale"]),
+            "loss_scale_good_steps": int(state["loss_scale"]["good_steps"])}
+    mngr.save(step, force=force, args=ocp.args.Composite(
+        params=ocp.args.StandardSave(_model_tree(state)), opt_state=ocp.args.StandardSave(state["opt"]),
+        meta=ocp.args.JsonSave(meta), data=grain.checkpoint.CheckpointSave(data_iter)))
+
+
+def _restore(mngr, step: int, state, shardings, data_iter):
     def target(tree, sh):
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, sh)
-    params_flat = modellib.leaves(state["params"]) | modellib.leaves(state["rest"])
-    sh_flat = modellib.leaves(shardings["params"]) | modellib.leaves(shardings["rest"])
-    abstract = ckpt.nest({p: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh_flat[p])
-                          for p, a in params_flat.items()})
+    flat = modellib.leaves(state["params"]) | modellib.leaves(state["rest"])
+    flat_sh = modellib.leaves(shardings["params"]) | modellib.leaves(shardings["rest"])
+    abstract = ckpt.nest({p: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=flat_sh[p]) for p, a in flat.items()})
     r = mngr.restore(step, args=ocp.args.Composite(
         params=ocp.args.StandardRestore(abstract),
         opt_state=ocp.args.StandardRestore(target(state["opt"], shardings["opt"])),
-        meta=ocp.args.JsonRestore(),
-        data=grain.checkpoint.CheckpointRestore(data_iter)))
-    flat = {}
-    for p in params_flat:
+        meta=ocp.args.JsonRestore(), data=grain.checkpoint.CheckpointRestore(data_iter)))
+    values = {}
+    for p in flat:
         node = r["params"]
         for k in ckpt.path_key(p):
             node = node[k]
-        flat[p] = node
-    return {"params": modellib.with_leaves(state["params"], flat),
-            "rest": modellib.with_leaves(state["rest"], flat),
-            "opt": r["opt_state"],
-            "step": jax.device_put(jnp.int32(r["meta"]["step"]), shardings["step"])}
+        values[p] = node
+    meta = r["meta"]
+    small = {"step": jnp.int32(meta["step"]), "rng": jnp.asarray(meta["rng"], jnp.uint32),
+             "loss_scale": {"scale": jnp.float32(meta["loss_scale"]),
+                            "good_steps": jnp.int32(meta["loss_scale_good_steps"])}}
+    return {"params": modellib.with_leaves(state["params"], values),
+            "rest": modellib.with_leaves(state["rest"], values), "opt": r["opt_state"],
+            **jax.device_put(small, {k: shardings[k] for k in small})}
 
 
+class _StopSignal:
+    """SIGTERM/SIGUSR1 set a flag the loop checks between steps (handlers only in the main thread)."""
+
+    def __init__(self):
+        self.name: str | None = None
+        self._old = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGUSR1):
+                self._old[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        self.name = signal.Signals(signum).name
+
+    def restore(self):
+        for sig, h in self._old.items():
+            signal.signal(sig, h)
+
+
+# --------------------------------------------------------------------------------- loop
 def train(cfg: Config, run_dir: str | Path) -> dict[str, float]:
     """Train per `cfg` in `run_dir`, resuming from its latest checkpoint. Returns final metrics."""
     run_dir = Path(run_dir)
     devices = jax.devices()
     preflight(cfg, devices)
     mesh = meshlib.make_mesh(cfg.mesh, devices)
+    t, d, m = cfg.train, cfg.data, cfg.model
+    docs = open_corpus(d)
     if jax.process_index() == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(configlib.dump_yaml(cfg))
-
-    t, d, m = cfg.train, cfg.data, cfg.model
-    docs = TextFiles.from_config(d)
     tok = _tokenizer(cfg, run_dir, docs)
     eos = toklib.eos_id(tok)
     split = split_documents(len(docs), d.eval_fraction, t.seed)
     procs = jax.process_count()
-    local_batch = t.global_batch_size // procs
-    data = lm_batches(docs, split.train, tok, eos, seq_len=d.seq_len, batch_size=local_batch, seed=t.seed,
-                      shard_index=jax.process_index(), shard_count=procs)
-    data_iter = iter(data)
-    log_line(f"corpus: {len(docs)} documents ({docs.total_bytes() / 2**20:.1f} MB, {docs.skipped_empty} empty "
-             f"skipped), {len(split.eval)} held out; mesh {dict(mesh.shape)}")
+    data_iter = iter(lm_batches(docs, split.train, tok, eos, seq_len=d.seq_len,
+                                batch_size=t.global_batch_size // procs, seed=t.seed,
+                                shard_index=jax.process_index(), shard_count=procs,
+                                block_size=d.block_size, workers=d.workers))
+    log_line(f"corpus: {describe(docs)}; {len(split.eval)} documents held out; mesh {dict(mesh.shape)}")
 
     dtype = modellib.COMPUTE_DTYPES[t.dtype]
-    model = modellib.build(m, mesh, seed=t.seed, dtype=dtype, remat=t.remat)
+    mngr = _manager(run_dir, cfg)
+    resume = mngr.latest_step()
+    model = (modellib.build(m, mesh, seed=t.seed, dtype=dtype, remat=t.remat) if resume is not None
+             else _initial_model(cfg, mesh, dtype))
     n = count_params(m)
-    log_line(f"model: {n.main / 1e6:.1f}M parameters (+{n.mtp / 1e6:.1f}M MTP), "
-             f"{n.activated / 1e6:.1f}M activated per token; compute {t.dtype.value}, remat {t.remat.value}")
+    log_line(f"model: {n.main / 1e6:.1f}M parameters (+{n.mtp / 1e6:.1f}M MTP), {n.activated / 1e6:.1f}M "
+             f"activated per token; compute {t.dtype.value}, remat {t.remat.value}, grad_accum {t.grad_accum}")
+    if t.remat.value == "offload" and devices[0].platform == "cpu":
+        log_line("note: remat=offload on CPU: device memory is host memory, so offloading saves nothing here")
     tx = optim.make(cfg.optim, t.steps)
-    graphdef, state, shardings = init_state(model, tx, mesh)
+    graphdef, state, shardings = init_state(model, tx, mesh, cfg)
     del model
     step_fn = make_train_step(graphdef, tx, cfg, mesh, shardings, optim.schedule(cfg.optim, t.steps))
     bsharding = batch_sharding(mesh)
-
-    mngr = _manager(run_dir, cfg)
     ckpt.write_model_config(run_dir / "checkpoints", m)
-    start = 0
-    if mngr.latest_step() is not None:
-        start = mngr.latest_step()
-        state = _restore(mngr, start, state, shardings, data_iter)
-        log_line(f"resumed from {run_dir / 'checkpoints' / str(start)}")
+    if resume is not None:
+        state = _restore(mngr, resume, state, shardings, data_iter)
+        log_line(f"resumed from {run_dir / 'checkpoints' / str(resume)} (step {resume})")
+    start = int(state["step"])
+    end = min(t.steps, t.stop_at) if t.stop_at else t.steps
 
+    flops = mfu.flops_per_token(m, d.seq_len)
+    peak, peak_how = mfu.peak_flops(devices, t.dtype)
     writer = MetricsWriter(run_dir, t.steps)
+    progress = Progress(t.steps, start)
+    stop = _StopSignal()
     block_each_step = len(devices) > 1 and devices[0].platform == "cpu"   # avoid CPU collective starvation
     tokens_per_step = t.global_batch_size * d.seq_len
-    last_t, last_step, metrics, compile_s = time.time(), start, {}, None
-    window: list[dict] = []       # device-side metrics since the last log line, averaged when logged
-    for step in range(start, t.steps):
-        batch = jax.tree.map(lambda x: jax.make_array_from_process_local_data(bsharding, x), next(data_iter))
-        state, metrics = step_fn(state, batch)
-        window.append(metrics)
-        if block_each_step or step == start:
-            jax.block_until_ready(metrics)
-            if step == start:
-                compile_s = time.time() - last_t
-                last_t = time.time()
-                last_step = step + 1
-        done = step + 1
-        if done % t.log_every == 0 or done == t.steps:
-            fetched = jax.device_get(window)
-            vals = {k: float(np.mean([m[k] for m in fetched])) for k in fetched[-1]}
-            vals["lr"] = float(fetched[-1]["lr"])
-            window = []
-            now = time.time()
-            steps_run = max(done - last_step, 1)
-            vals["step_time"] = (now - last_t) / steps_run
-            vals["tokens_per_s"] = tokens_per_step / max(vals["step_time"], 1e-9)
-            last_t, last_step = now, done
-            writer.write(done, vals)
-            writer.console(done, vals)
-        paused = time.time()        # eval and checkpoint time is kept out of tokens/s
-        if t.eval_every and done % t.eval_every == 0 and done < t.steps:
-            _evaluate(cfg, graphdef, mesh, shardings, state, docs, split, tok, eos, writer, done)
-        if mngr.should_save(done):
-            mngr.save(done, args=_save_args(state, data_iter, {"loss": float(metrics["loss"])}))
-        last_t += time.time() - paused
+    last_t, last_step, compile_s, window, stopped = time.time(), start, None, [], None
+    try:
+        for step in range(start, end):
+            batch = jax.tree.map(lambda x: jax.make_array_from_process_local_data(bsharding, x), next(data_iter))
+            state, metrics = step_fn(state, batch)
+            window.append(metrics)
+            done = step + 1
+            if block_each_step or step == start:
+                jax.block_until_ready(metrics)
+                if step == start:
+                    compile_s = time.time() - last_t
+                    last_t, last_step = time.time(), done
+            progress.update(done, metrics if progress.live else None)
+            if done % t.log_every == 0 or done == t.steps:
+                vals = _summarise(jax.device_get(window))
+                window = []
+                now = time.time()
+                vals["step_time"] = (now - last_t) / max(done - last_step, 1)
+                vals["tokens_per_s"] = tokens_per_step / max(vals["step_time"], 1e-9)
+                vals["mfu"] = flops * vals["tokens_per_s"] / peak
+                last_t, last_step = now, done
+                writer.write(done, vals)
+                progress.log(done, vals)
+            paused = time.time()       # eval and checkpoint time is kept out of tokens/s
+            if t.eval_every and done % t.eval_every == 0 and done < t.steps:
+                _evaluate(cfg, graphdef, mesh, shardings, state, docs, split, tok, eos, writer, done)
+            if stop.name or (done == end < t.steps):
+                stopped = stop.name or "train.stop_at"
+                break
+            if mngr.should_save(done):
+                _save(mngr, state, data_iter)
+            last_t += time.time() - paused
+    finally:
+        stop.restore()
+        progress.close()
 
-    final = dict(writer.records[-1]) if writer.records else {}
-    final.pop("step", None)
-    if t.eval_batches and split.eval:
+    final = {k: v for k, v in (writer.records[-1] if writer.records else {}).items() if k != "step"}
+    done = int(state["step"])
+    if stopped is None and t.eval_batches and split.eval:
         final.update({f"eval_{k}": v for k, v in
-                      _evaluate(cfg, graphdef, mesh, shardings, state, docs, split, tok, eos, writer, t.steps).items()})
-    if mngr.latest_step() != t.steps:
-        mngr.save(t.steps, args=_save_args(state, data_iter, {"loss": final.get("loss", math.nan)}), force=True)
+                      _evaluate(cfg, graphdef, mesh, shardings, state, docs, split, tok, eos, writer, done).items()})
+    if mngr.latest_step() != done:
+        _save(mngr, state, data_iter, force=True)
     mngr.wait_until_finished()
     mngr.close()
+    if hasattr(data_iter, "close"):
+        data_iter.close()          # stops mp_prefetch workers cleanly
     writer.plot(run_dir / "loss.png")
     writer.close()
-    if compile_s is not None:
-        final["compile_s"] = compile_s
+    final.update(compile_s=compile_s, mfu_peak_flops=peak, mfu_peak=peak_how, stopped=stopped)
     if jax.process_index() == 0:
-        (run_dir / "final.json").write_text(json.dumps({"step": t.steps, **final}, indent=2))
+        (run_dir / "final.json").write_text(json.dumps({"step": done, **final}, indent=2))
+    if stopped:
+        log_line(f"preempted at step {done} ({stopped}); checkpoint saved" if stopped != "train.stop_at"
+                 else f"stopped at step {done} (train.stop_at); checkpoint saved")
     return final
+
+
+def _summarise(window: list[dict]) -> dict:
+    """Mean of each metric over the logged window; per-layer expert imbalance kept as a list."""
+    out = {}
+    for k in window[-1]:
+        vals = np.asarray([w[k] for w in window], np.float64)
+        if vals.ndim == 2:
+            per_layer = vals.mean(0)
+            out[k] = float(per_layer.max())
+            out[k + "_layers"] = [float(x) for x in per_layer]
+        else:
+            out[k] = float(vals.mean())
+    for k in ("lr", "loss_scale"):
+        out[k] = float(np.asarray(window[-1][k]))
+    out["skipped"] = float(sum(float(w["skipped"]) for w in window))
+    return out
 
 
 def _evaluate(cfg: Config, graphdef, mesh, shardings, state, docs, split, tok, eos, writer, step) -> dict:
@@ -227,7 +326,8 @@ def _evaluate(cfg: Config, graphdef, mesh, shardings, state, docs, split, tok, e
     eval_fn = make_eval_step(graphdef, cfg, mesh, shardings)
     bsharding = batch_sharding(mesh)
     it = iter(lm_batches(docs, split.eval, tok, eos, seq_len=d.seq_len, batch_size=t.global_batch_size // procs,
-                         seed=t.seed, shard_index=jax.process_index(), shard_count=procs, epochs=1))
+                         seed=t.seed, shard_index=jax.process_index(), shard_count=procs, epochs=1,
+                         shuffle_rows=0, block_size=d.block_size))
     total = count = 0.0
     for _ in range(t.eval_batches):
         try:
