@@ -139,3 +139,59 @@ def test_packing_keeps_every_token_and_splits_long_documents():
     split = split_documents(100, 0.1, seed=0)
     assert len(split.eval) == 10 and not set(split.eval) & set(split.train)
     assert sorted(split.eval + split.train) == list(range(100))
+
+
+@pytest.mark.parametrize("sig", ["SIGUSR1", "SIGTERM"])
+def test_preemption_signal_saves_and_exits_cleanly(tmp_path, sig):
+    """What SLURM sends before a time limit or a preemption: finish the step, save, say so, exit 0."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    run = tmp_path / "run"
+    env = {**os.environ, "JAX_NUM_CPU_DEVICES": "1"}     # one device: the signal path is what is tested
+    proc = subprocess.Popen([sys.executable, "-m", "r1jax.train", "--config", str(ROOT / "configs" / "tiny.yaml"),
+                             "--run-dir", str(run), "train.steps=1000", "train.log_every=1", "checkpoint.every=500"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        metrics = run / "metrics.jsonl"
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= 2:
+            break
+        time.sleep(0.5)
+    proc.send_signal(getattr(signal, sig))
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-2000:]
+    line = next(l for l in out.splitlines() if l.startswith("preempted at step"))
+    step = int(line.split()[3])
+    print(f"\n{sig}: {line}")
+    assert 2 <= step < 1000
+    assert (run / "checkpoints" / str(step) / "params").is_dir()
+    assert json.loads((run / "final.json").read_text())["stopped"] == sig
+
+
+def test_init_from_hf_and_orbax(tmp_path):
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from hf_ref import hf_model
+    from r1jax import model as modellib
+    from r1jax.config import ConfigError
+    from r1jax.convert import hf
+    from r1jax.parallel.mesh import single_device_mesh
+    from r1jax.train.trainer import _initial_model
+    hf_model(seed=6).save_pretrained(tmp_path / "hf")
+    hf.hf_to_orbax(tmp_path / "hf", tmp_path / "orbax")
+    _, ref = hf.load(tmp_path / "hf")
+    want = modellib.leaves(nnx.state(ref))
+    mesh = single_device_mesh()
+    for src in (f"hf:{tmp_path / 'hf'}", f"orbax:{tmp_path / 'orbax'}"):
+        cfg = configlib.load(None, [f"model.hf_config={tmp_path / 'hf'}", f"model.init_from={src}",
+                                    "model.num_nextn_predict_layers=1", "data.seq_len=32"])
+        got = modellib.leaves(nnx.state(_initial_model(cfg, mesh, jnp.float32)))
+        assert all(np.array_equal(np.asarray(got[p]), np.asarray(v)) for p, v in want.items()), src
+        assert any(p[0] == "mtp" for p in got)            # the checkpoint has no MTP: those start fresh
+    cfg = configlib.load(None, [f"model.hf_config={tmp_path / 'hf'}", f"model.init_from=hf:{tmp_path / 'hf'}",
+                                "model.moe_intermediate_size=48", "data.seq_len=32"])
+    with pytest.raises(ConfigError, match="moe_intermediate_size=32 but the config says moe_intermediate_size=48"):
+        _initial_model(cfg, mesh, jnp.float32)
