@@ -8,14 +8,12 @@ import sys
 import textwrap
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
 import torch
 from flax import nnx
-from safetensors.numpy import load_file
 from transformers import AutoModelForCausalLM
 
 from hf_ref import hf_model

@@ -3,7 +3,6 @@ skips overflowing steps and grows the scale, bf16 keeps fp32 masters, remat poli
 memory but not results, the balance loss and the router-bias update follow DeepSeek-V3."""
 from __future__ import annotations
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -14,9 +13,9 @@ from flax import nnx
 
 from r1jax import config as configlib
 from r1jax import model as modellib
-from r1jax.config import DType, Remat
+from r1jax.config import Remat
 from r1jax.model.moe import route, sequence_balance_loss
-from r1jax.parallel.mesh import activate, single_device_mesh
+from r1jax.parallel.mesh import single_device_mesh
 from r1jax.train import optim
 from r1jax.train.loss import lm_losses
 from r1jax.train.step import init_state, make_train_step, update_router_bias
@@ -66,8 +65,8 @@ def test_grad_accumulation_equals_the_large_batch():
         state, step = _setup(cfg, optax.sgd(1.0))
         p0 = _params(state)
         state, metrics = step(state, batch)
-        out[accum] = ({k: p0[k] - v for k, v in _params(state).items()}, jax.device_get(metrics), np.asarray(modellib.leaves(state["rest"])[
-            ("moe_layers", "layers", "mlp", "router_bias_E")]))
+        bias = modellib.leaves(state["rest"])[("moe_layers", "layers", "mlp", "router_bias_E")]
+        out[accum] = ({k: p0[k] - v for k, v in _params(state).items()}, jax.device_get(metrics), np.asarray(bias))
     (g1, m1, b1), (g4, m4, b4) = out[1], out[4]         # g = p0 - p1 = the gradient (SGD, lr 1)
     d_loss = abs(m1["loss"] - m4["loss"])
     scale = max(float(np.abs(g).max()) for g in g1.values())
