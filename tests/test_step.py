@@ -173,3 +173,18 @@ def test_router_bias_update_follows_the_sign_rule():
     assert np.allclose(np.asarray(new[("moe_layers", "layers", "mlp", "router_bias_E")]), expect)
     expect_mtp = 0.01 * np.sign(np.asarray(mtp_load[0]).mean() - np.asarray(mtp_load[0]))
     assert np.allclose(np.asarray(new[("mtp", 0, "block", "mlp", "router_bias_E")]), expect_mtp)
+
+
+def test_schedule_and_decay_mask():
+    cfg = _cfg("train.steps=100", "optim.warmup_ratio=0.1", "optim.lr=1e-3", "optim.min_lr_ratio=0.1")
+    sched = optim.schedule(cfg.optim, cfg.train.steps)
+    assert float(sched(0)) == 0.0 and float(sched(5)) == pytest.approx(5e-4)
+    assert float(sched(10)) == pytest.approx(1e-3) and float(sched(100)) == pytest.approx(1e-4)
+    assert float(sched(55)) == pytest.approx(1e-4 + 0.5 * (1e-3 - 1e-4), rel=1e-3)   # cosine midpoint
+    model = modellib.build(_cfg("model.attention_bias=true").model, single_device_mesh())
+    mask = modellib.leaves(optim.decay_mask(nnx.state(model, nnx.Param)))
+    assert mask[("embed", "embedding_VD")] and mask[("moe_layers", "layers", "mlp", "gate_EDF")]
+    assert mask[("moe_layers", "layers", "attn", "wq_b_QNH")] and mask[("mtp", 0, "eh_proj_2DD")]
+    for path, decayed in mask.items():
+        is_norm_or_bias = any("norm" in str(p) for p in path) or path[-1] in ("bq_a_Q", "bkv_a_C", "bo_D")
+        assert decayed != is_norm_or_bias, path

@@ -141,18 +141,39 @@ def test_packing_keeps_every_token_and_splits_long_documents():
     assert sorted(split.eval + split.train) == list(range(100))
 
 
-@pytest.mark.parametrize("sig", ["SIGUSR1", "SIGTERM"])
-def test_preemption_signal_saves_and_exits_cleanly(tmp_path, sig):
-    """What SLURM sends before a time limit or a preemption: finish the step, save, say so, exit 0."""
+@pytest.mark.parametrize("sig,terminal", [("SIGUSR1", True), ("SIGTERM", False)])
+def test_preemption_signal_saves_and_exits_cleanly(tmp_path, sig, terminal):
+    """What SLURM sends before a time limit or a preemption: finish the step, save, say so, exit 0.
+    The SIGUSR1 run writes to a pseudo-terminal, where the console shows a progress bar."""
+    import pty
     import signal
     import subprocess
     import sys
+    import threading
     import time
     run = tmp_path / "run"
-    env = {**os.environ, "JAX_NUM_CPU_DEVICES": "1"}     # one device: the signal path is what is tested
-    proc = subprocess.Popen([sys.executable, "-m", "r1jax.train", "--config", str(ROOT / "configs" / "tiny.yaml"),
-                             "--run-dir", str(run), "train.steps=1000", "train.log_every=1", "checkpoint.every=500"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    env = {**os.environ, "JAX_NUM_CPU_DEVICES": "1", "COLUMNS": "120"}   # one device: the signal path is tested
+    cmd = [sys.executable, "-m", "r1jax.train", "--config", str(ROOT / "configs" / "tiny.yaml"), "--run-dir", str(run),
+           "train.steps=1000", "train.log_every=1", "checkpoint.every=500"]
+    chunks: list[bytes] = []
+    if terminal:
+        master, slave = pty.openpty()
+        proc = subprocess.Popen(cmd, stdout=slave, stderr=subprocess.PIPE, env=env)
+        os.close(slave)
+
+        def drain():
+            while True:
+                try:
+                    data = os.read(master, 4096)
+                except OSError:           # EIO once the child has closed the terminal
+                    return
+                if not data:
+                    return
+                chunks.append(data)
+        reader = threading.Thread(target=drain, daemon=True)
+        reader.start()
+    else:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:
         metrics = run / "metrics.jsonl"
@@ -161,13 +182,19 @@ def test_preemption_signal_saves_and_exits_cleanly(tmp_path, sig):
         time.sleep(0.5)
     proc.send_signal(getattr(signal, sig))
     out, err = proc.communicate(timeout=300)
+    if terminal:
+        reader.join(timeout=10)
+        out = b"".join(chunks)
+    out = out.decode(errors="replace")
     assert proc.returncode == 0, err[-2000:]
-    line = next(l for l in out.splitlines() if l.startswith("preempted at step"))
-    step = int(line.split()[3])
-    print(f"\n{sig}: {line}")
+    line = next(l for l in out.splitlines() if "preempted at step" in l)
+    step = int(line.split("preempted at step")[1].split()[0])
+    print(f"\n{sig}: {line.strip()}")
     assert 2 <= step < 1000
     assert (run / "checkpoints" / str(step) / "params").is_dir()
     assert json.loads((run / "final.json").read_text())["stopped"] == sig
+    assert ("━" in out) == terminal                      # rich's bar on a terminal, plain lines otherwise
+    assert "step 1/1000 | loss" in out
 
 
 def test_init_from_hf_and_orbax(tmp_path):

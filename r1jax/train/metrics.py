@@ -109,7 +109,10 @@ class Progress:
             return
         frac = (step - self.start) / max(self.total - self.start, 1)
         text = _line(step, self.total, values, time.time() - self.t0, frac)
-        (self.bar.console.print if self.bar is not None else print)(text)
+        if self.bar is not None:    # above the live bar; plain text (no highlighting codes in logs)
+            self.bar.console.print(text, highlight=False, markup=False, soft_wrap=True)
+        else:
+            print(text)
         sys.stdout.flush()
 
     def close(self) -> None:
