@@ -57,6 +57,12 @@ class Remat(str, enum.Enum):
     offload = "offload"                # move the tagged activations to host memory (where supported)
 
 
+class Schedule(str, enum.Enum):
+    gpipe = "gpipe"
+    circular = "circular"
+    onefoneb = "1f1b"
+
+
 class DataSource(str, enum.Enum):
     stdlib = "stdlib"            # this Python's own standard-library sources (found via sysconfig)
     text = "text"                # text files or globs in `data.paths` (see data.text_mode)
@@ -189,6 +195,7 @@ class TrainConfig:
     loss_scale_init: float = 65536.0   # fp16 only: dynamic loss scaling as torch's GradScaler
     loss_scale_growth_interval: int = 2000
     stop_at: int = 0                   # stop (with a checkpoint) after this step; 0: run to train.steps
+    microbatches: int = 1              # pipeline microbatches per (grad_accum) microbatch; mesh.pipeline > 1 only
     seed: int = 0
 
 
@@ -199,6 +206,20 @@ class CheckpointConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    """Pipeline parallelism over mesh.pipeline stages (the MoE stack; see r1jax/parallel/pipeline.py)."""
+    schedule: Schedule = Schedule.gpipe
+    repeats: int = 1                   # circular only: virtual stages per device
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    """Multi-process runs (launched by r1jax.launch or srun); ignored by a single process."""
+    init_timeout_s: int = 300          # every process must join within this many seconds, else exit 1
+    data_shards: int = 0               # training data shards, a multiple of the process count; 0: one per process
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
@@ -206,6 +227,8 @@ class Config:
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
+    pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)
 
 
 # ----------------------------------------------------------------------------------- loading
@@ -276,6 +299,7 @@ def _fields(cls) -> list[str]:
 
 _SECTION_TYPES = {"": Config, "model": ModelConfig, "mesh": MeshConfig, "data": DataConfig,
                   "optim": OptimConfig, "train": TrainConfig, "checkpoint": CheckpointConfig,
+                  "distributed": DistributedConfig, "pipeline": PipelineConfig,
                   "model.rope_scaling": RopeScaling}
 
 
@@ -495,8 +519,39 @@ def validate(cfg: Config) -> None:
     _need((t.global_batch_size // t.grad_accum) % batch_shards == 0,
           f"train.global_batch_size={t.global_batch_size}: each of the {t.grad_accum} microbatches must be "
           f"divisible by the batch shards mesh.data x mesh.fsdp x mesh.expert ({batch_shards})")
+    _need(t.microbatches >= 1, f"train.microbatches={t.microbatches}: must be a positive integer")
+    per_micro = t.global_batch_size // t.grad_accum
+    _need(per_micro % t.microbatches == 0 and (per_micro // t.microbatches) % batch_shards == 0,
+          f"train.microbatches={t.microbatches}: each of the {t.grad_accum} x {t.microbatches} pipeline "
+          f"microbatches of train.global_batch_size={t.global_batch_size} must be divisible by the batch "
+          f"shards mesh.data x mesh.fsdp x mesh.expert ({batch_shards})")
+    pp = cfg.pipeline
+    _need(pp.repeats >= 1, f"pipeline.repeats={pp.repeats}: must be a positive integer")
+    _need(pp.repeats == 1 or pp.schedule is Schedule.circular,
+          f"pipeline.repeats={pp.repeats}: only the circular schedule has repeats (pipeline.schedule="
+          f"{pp.schedule.value})")
+    if mesh.pipeline != 1:
+        _need(m.num_moe_layers > 0, f"mesh.pipeline={mesh.pipeline}: the pipeline splits the MoE layers into "
+                                    f"stages, and this model has none (num_hidden_layers = first_k_dense_replace)")
+        _need(mesh.expert == 1, f"mesh.expert={mesh.expert}: expert parallelism inside pipeline stages is not "
+                                f"supported yet; use mesh.expert=1 with mesh.pipeline={mesh.pipeline}")
+    if mesh.pipeline > 1:
+        if pp.schedule is Schedule.onefoneb:
+            other = {k: v for k, v in axes.items() if k in ("fsdp", "tensor", "expert") and v != 1}
+            _need(not other, f"pipeline.schedule=1f1b: mesh.{next(iter(other), '')}={next(iter(other.values()), 0)}: "
+                             f"1f1b runs with mesh.data x mesh.pipeline only (its stages run under a per-device "
+                             f"switch, where GSPMD collectives are not allowed); use gpipe or circular with "
+                             f"fsdp/tensor")
+        _need(pp.schedule is not Schedule.circular or t.microbatches >= mesh.pipeline,
+              f"train.microbatches={t.microbatches}: the circular schedule needs at least mesh.pipeline="
+              f"{mesh.pipeline} microbatches")
     _need(c.every > 0, f"checkpoint.every={c.every}: must be a positive integer")
     _need(c.keep > 0, f"checkpoint.keep={c.keep}: must be a positive integer")
+    dist = cfg.distributed
+    _need(dist.init_timeout_s > 0, f"distributed.init_timeout_s={dist.init_timeout_s}: must be a positive integer")
+    _need(dist.data_shards >= 0, f"distributed.data_shards={dist.data_shards}: must be >= 0 (0: one per process)")
+    _need(dist.data_shards == 0 or t.global_batch_size % dist.data_shards == 0,
+          f"distributed.data_shards={dist.data_shards}: must divide train.global_batch_size ({t.global_batch_size})")
 
 
 def resolve_mesh_shape(mesh: MeshConfig, num_devices: int) -> dict[str, int]:

@@ -105,8 +105,14 @@ def _tuple_slices(state: dict) -> dict:
     return {**state, "remainder_slices": {k: tuple(v) for k, v in state["remainder_slices"].items()}}
 
 
+def saved_workers(state: dict) -> int:
+    """The data.workers an iterator state was saved with (a ShardsIterator's: its first shard's)."""
+    state = state["shards"][0] if "shards" in state else state
+    return len(state.get("iterators_in_use_states", ()))  # one state per mp_prefetch worker
+
+
 def _same_workers(workers: int, state: dict) -> dict:
-    saved = len(state.get("iterators_in_use_states", ()))  # one state per mp_prefetch worker
+    saved = saved_workers(state)
     if saved != workers:
         raise ConfigError(f"data.workers={workers}: the data iterator in this checkpoint ran with {saved} "
                           f"workers; resume with data.workers={saved}")
@@ -144,3 +150,26 @@ def lm_batches(docs: Sequence[str], indices: Sequence[int], tokenizer: Tokenizer
             flags.FLAGS.mark_as_parsed()
         it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers, per_worker_buffer_size=4))
     return _OnRestore(it, functools.partial(_same_workers, workers))
+
+
+class ShardsIterator(grain.DatasetIterator):
+    """Several data shards read by one process: their batches side by side, in shard order.
+
+    A process that reads shards [a, b) of S places exactly the rows that processes a..b-1 of an
+    S-process run would, so runs with different process counts but the same S see the same
+    global batches (distributed.data_shards). The state holds one state per shard."""
+
+    def __init__(self, iterators: Sequence[grain.DatasetIterator]):
+        super().__init__(list(iterators))
+        self._its = list(iterators)
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        parts = [next(it) for it in self._its]
+        return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+    def get_state(self) -> dict:
+        return {"shards": [it.get_state() for it in self._its]}
+
+    def set_state(self, state: dict) -> None:
+        for it, s in zip(self._its, state["shards"], strict=True):
+            it.set_state(s)

@@ -15,19 +15,29 @@ from r1jax.parallel import mesh as meshlib
 COMPUTE_DTYPES = {DType.fp32: jnp.float32, DType.bf16: jnp.bfloat16, DType.fp16: jnp.float16}
 
 
-def abstract(cfg: ModelConfig, mesh: Mesh, dtype=jnp.float32, remat: Remat = Remat.none):
-    """(graphdef, abstract state whose leaves carry their shardings); allocates nothing."""
+def abstract(cfg: ModelConfig, mesh: Mesh, dtype=jnp.float32, remat: Remat = Remat.none, layout=None):
+    """(graphdef, abstract state whose leaves carry their shardings); allocates nothing.
+    `layout`: the MoE stack's pipeline Layout (r1jax.parallel.pipeline); None: model order."""
     with meshlib.activate(mesh):
-        return nnx.get_abstract_model(lambda: Transformer(cfg, dtype, remat, rngs=nnx.Rngs(0)), mesh)
+        return nnx.get_abstract_model(lambda: Transformer(cfg, dtype, remat, rngs=nnx.Rngs(0), layout=layout), mesh)
+
+
+def to_layout(state: nnx.State, layout) -> nnx.State:
+    """A model-order state with its MoE stack leaves moved into `layout`'s slots (pads zero)."""
+    if layout is None or layout.identity:
+        return state
+    return nnx.from_flat_state([(p, v.replace(layout.to_slots(v.get_value())) if p[0] == "moe_layers" else v)
+                                for p, v in nnx.to_flat_state(state)])
 
 
 @functools.lru_cache(maxsize=16)
-def _compiled_init(cfg: ModelConfig, mesh: Mesh, dtype, remat: Remat):
-    graphdef, abs_state = abstract(cfg, mesh, dtype, remat)
+def _compiled_init(cfg: ModelConfig, mesh: Mesh, dtype, remat: Remat, layout=None):
+    graphdef, abs_state = abstract(cfg, mesh, dtype, remat, layout)
     shardings = jax.tree.map(lambda a: a.sharding, abs_state)
 
     def init(seed):
-        return nnx.split(Transformer(cfg, dtype, remat, rngs=nnx.Rngs(jax.random.key(seed))))[1]
+        # drawn in model order, so that every layout starts from the same weights
+        return to_layout(nnx.split(Transformer(cfg, dtype, remat, rngs=nnx.Rngs(jax.random.key(seed))))[1], layout)
 
     # Each random draw is its own XLA computation and XLA:CPU spends ~0.25 s optimising each;
     # init runs once, so on CPU compile it without backend optimisation (about 2x faster).
@@ -51,11 +61,11 @@ def with_leaves(state: nnx.State, values: dict[tuple, jax.Array]) -> nnx.State:
 
 
 def build(cfg: ModelConfig, mesh: Mesh, *, seed: int = 0, dtype=jnp.float32,
-          remat: Remat = Remat.none) -> Transformer:
+          remat: Remat = Remat.none, layout=None) -> Transformer:
     """A freshly initialised model whose parameters are created directly in their shards."""
-    graphdef, init = _compiled_init(cfg, mesh, dtype, remat)
+    graphdef, init = _compiled_init(cfg, mesh, dtype, remat, layout)
     with meshlib.activate(mesh):
         return nnx.merge(graphdef, init(jnp.uint32(seed)))
 
 
-__all__ = ["Output", "Transformer", "abstract", "build", "leaves", "with_leaves", "COMPUTE_DTYPES"]
+__all__ = ["Output", "Transformer", "abstract", "build", "leaves", "to_layout", "with_leaves", "COMPUTE_DTYPES"]

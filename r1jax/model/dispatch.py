@@ -51,12 +51,27 @@ def _sort_pairs(idx, E):
 
 
 # ------------------------------------------------------------------------- dropless (tiles)
+def _varying_like(value, *templates):
+    """`value` marked as varying over the manual mesh axes the templates vary over. Inside
+    shard_map both branches of a cond must agree on that; outside it this is a no-op."""
+    axes = frozenset().union(*(jax.typeof(t).manual_axis_type.varying for t in templates))
+    missing = tuple(sorted(axes - jax.typeof(value).manual_axis_type.varying))
+    return lax.pcast(value, missing, to="varying") if missing else value
+
+
+def _summed_like(value, template):
+    """`value` summed over the manual axes it varies over and `template` does not: a custom VJP's
+    cotangent must vary exactly like its primal (a weight replicated over data gets data's sum)."""
+    extra = tuple(sorted(jax.typeof(value).manual_axis_type.varying - jax.typeof(template).manual_axis_type.varying))
+    return lax.psum(value, extra) if extra else value
+
+
 def _tile_matmul_scan(x_NBK, w_EKF, tile_e, live_tiles):
     def body(_, a):
         n, xn, e = a
         yn = lax.cond(n < live_tiles,
                       lambda: xn @ lax.dynamic_index_in_dim(w_EKF, e, 0, keepdims=False),
-                      lambda: jnp.zeros((xn.shape[0], w_EKF.shape[2]), xn.dtype))
+                      lambda: _varying_like(jnp.zeros((xn.shape[0], w_EKF.shape[2]), xn.dtype), xn, w_EKF))
         return None, yn
     return lax.scan(body, None, (jnp.arange(x_NBK.shape[0]), x_NBK, tile_e))[1]
 
@@ -82,35 +97,45 @@ def _tile_matmul_bwd(res, g):
             dw = lax.dynamic_update_index_in_dim(dw, cur + (xn.T @ gn).astype(jnp.float32), e, 0)
             return dw, gn @ lax.dynamic_index_in_dim(w, e, 0, keepdims=False).T
 
-        return lax.cond(n < live_tiles, live, lambda dw: (dw, jnp.zeros_like(xn)), dw)
+        return lax.cond(n < live_tiles, live,
+                        lambda dw: (dw, _varying_like(jnp.zeros_like(xn), xn, gn, w)), dw)
 
     # dW accumulates over tiles in fp32 even when the compute dtype is bf16/fp16
-    dw, dx = lax.scan(body, jnp.zeros(w.shape, jnp.float32), (jnp.arange(x.shape[0]), x, g, tile_e))
-    return dx, dw.astype(w.dtype), None, None
+    dw0 = _varying_like(jnp.zeros(w.shape, jnp.float32), x, g, w)
+    dw, dx = lax.scan(body, dw0, (jnp.arange(x.shape[0]), x, g, tile_e))
+    return dx, _summed_like(dw.astype(w.dtype), w), None, None
 
 
 tile_matmul.defvjp(_tile_matmul_fwd, _tile_matmul_bwd)
 
 
 def routed_dropless(x, w, idx, gate, up, down, *, tile: int = 64, **_):
+    """Expert ids >= E (the local expert count) mark pairs handled elsewhere: they get no tile
+    and contribute zero (expert parallelism passes every token with only local experts valid)."""
     T, k = idx.shape
     E, D = gate.shape[0], x.shape[1]
     Tk = T * k
     n_tiles = -(-(Tk + E * (tile - 1)) // tile)        # static bound: every expert wastes < 1 tile
-    order, sorted_e, sizes = _sort_pairs(idx, E)
+    rows = n_tiles * tile
+    order, sorted_e, sizes = _sort_pairs(idx, E)        # bincount drops ids >= E; argsort puts them last
     starts = jnp.cumsum(sizes) - sizes
     padded = (sizes + tile - 1) // tile * tile
     padded_end = jnp.cumsum(padded)
     live_tiles = padded_end[-1] // tile
-    rank = jnp.arange(Tk, dtype=jnp.int32) - starts[sorted_e]          # position within its expert
-    dest = (padded_end - padded)[sorted_e] + rank                       # padded row of each sorted pair
-    row_token = jnp.full((n_tiles * tile,), T, jnp.int32).at[dest].set(order // k)
-    tile_e = jnp.minimum(jnp.searchsorted(padded_end, jnp.arange(n_tiles) * tile, side="right"),
-                         E - 1).astype(jnp.int32)
+    here = sorted_e < E
+    se = jnp.minimum(sorted_e, E - 1)
+    rank = jnp.arange(Tk, dtype=jnp.int32) - starts[se]                 # position within its expert
+    dest = jnp.where(here, (padded_end - padded)[se] + rank, rows)      # padded row; `rows` = nowhere
+    row_token = jnp.full((rows,), T, jnp.int32).at[dest].set(order // k, mode="drop")
+    # tile n belongs to the first expert whose padded run ends after row n*tile (a comparison
+    # count rather than searchsorted, which shard_map's varying-axis checks reject)
+    starts_n = jnp.arange(n_tiles, dtype=jnp.int32)[:, None] * tile
+    tile_e = jnp.minimum(jnp.sum(padded_end[None, :] <= starts_n, axis=1), E - 1).astype(jnp.int32)
     x_rows = jnp.concatenate([x, jnp.zeros((1, D), x.dtype)])[row_token].reshape(n_tiles, tile, D)
     g = tile_matmul(x_rows, gate, tile_e, live_tiles)
     u = tile_matmul(x_rows, up, tile_e, live_tiles)
-    o = tile_matmul(jax.nn.silu(g) * u, down, tile_e, live_tiles).reshape(n_tiles * tile, D)
+    o = tile_matmul(jax.nn.silu(g) * u, down, tile_e, live_tiles).reshape(rows, D)
+    o = jnp.concatenate([o, jnp.zeros((1, D), o.dtype)])                # row `rows`: zeros
     pair_row = jnp.zeros((Tk,), jnp.int32).at[order].set(dest)          # (t, j) -> padded row
     out = o[pair_row].reshape(T, k, D)
     return jnp.einsum("tkd,tk->td", out, w.astype(x.dtype)), jnp.int32(0)

@@ -18,6 +18,7 @@ from jax.ad_checkpoint import checkpoint_name
 from r1jax.config import ModelConfig
 from r1jax.model import dispatch
 from r1jax.model.layers import F32, MLP, RouterBias, cast, normal_param
+from r1jax.parallel import expert as expert_parallel
 from r1jax.parallel.mesh import constrain
 
 
@@ -70,9 +71,12 @@ class MoE(nnx.Module):
         x_TD = x_BTD.reshape(B * T, D)
         w, idx, scores = route(x_TD, self.router_DE[...], self.router_bias_E[...], cfg)
         kind = dispatch.resolve(cfg.moe_dispatch.value)
-        y, dropped = dispatch.ROUTED[kind](
-            x_TD, w, idx, cast(self.gate_EDF, dt), cast(self.up_EDF, dt), cast(self.down_EFD, dt),
-            tile=cfg.moe_tile_size, capacity_factor=cfg.capacity_factor)
+        experts = (cast(self.gate_EDF, dt), cast(self.up_EDF, dt), cast(self.down_EFD, dt))
+        opts = dict(tile=cfg.moe_tile_size, capacity_factor=cfg.capacity_factor)
+        if expert_parallel.expert_axis()[1] > 1:        # experts sharded: exchange tokens (shard_map)
+            y, dropped = expert_parallel.routed(kind, x_TD, w, idx, *experts, **opts)
+        else:
+            y, dropped = dispatch.ROUTED[kind](x_TD, w, idx, *experts, **opts)
         y = checkpoint_name(constrain(y.reshape(B, T, D), "batch", "seq", "act_embed"), "moe_routed")
         if self.shared is not None:
             y = y + self.shared(x_BTD)

@@ -75,24 +75,43 @@ def _checkpointed(fn, remat: Remat):
     return jax.checkpoint(fn, policy=policy, prevent_cse=False)
 
 
-class Stack(nnx.Module):
-    """`n` identical blocks with stacked parameters, applied with `lax.scan`."""
+def scan_blocks(graphdef, state, x, cos, sin, mask, remat: Remat, valid=None):
+    """Blocks with stacked parameters `state` [n, ...] applied in order under `lax.scan`.
 
-    def __init__(self, cfg: ModelConfig, dtype, moe: bool, n: int, *, rngs: nnx.Rngs):
+    `valid` [n] bool marks real layers; a padding slot (False) passes its input through and
+    reports zero load, drops and balance loss, so its (zero) parameters get exactly zero gradient."""
+    def body(carry, xs):
+        layer_state, ok = xs
+        y, aux = nnx.merge(graphdef, layer_state)(carry, cos, sin, mask)
+        if ok is None:
+            return y, aux
+        return jnp.where(ok, y, carry), jax.tree.map(lambda a: jnp.where(ok, a, jnp.zeros_like(a)), aux)
+
+    return jax.lax.scan(_checkpointed(body, remat), x, (state, valid))
+
+
+class Stack(nnx.Module):
+    """`n` identical blocks with stacked parameters, applied with `lax.scan`.
+
+    The pipelined MoE stack is stored in a pipeline `Layout`'s slot order (padded, stage-major)
+    and its leading axis is named `stages`; called whole, it gathers its real layers back into
+    model order first."""
+
+    def __init__(self, cfg: ModelConfig, dtype, moe: bool, n: int, *, rngs: nnx.Rngs,
+                 axis: str = "layers", layout=None):
         @nnx.split_rngs(splits=n)
-        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: axis})
         def make(r: nnx.Rngs) -> Block:
             return Block(cfg, dtype, moe, rngs=r)
 
         self.layers = make(rngs)
+        self.layout = layout
 
     def __call__(self, x, cos, sin, mask, remat: Remat):
         graphdef, state = nnx.split(self.layers)
-
-        def body(carry, layer_state):
-            return nnx.merge(graphdef, layer_state)(carry, cos, sin, mask)
-
-        return jax.lax.scan(_checkpointed(body, remat), x, state)
+        if self.layout is not None and not self.layout.identity:
+            state = jax.tree.map(lambda a: a[self.layout.slot_of], state)
+        return scan_blocks(graphdef, state, x, cos, sin, mask, remat)
 
 
 class MTPModule(nnx.Module):
@@ -115,13 +134,17 @@ class MTPModule(nnx.Module):
 class Transformer(nnx.Module):
     """DeepseekV3ForCausalLM plus MTP. Call: model(input_ids [B,T] int32) -> Output."""
 
-    def __init__(self, cfg: ModelConfig, dtype=jnp.float32, remat: Remat = Remat.none, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, dtype=jnp.float32, remat: Remat = Remat.none, *, rngs: nnx.Rngs,
+                 layout=None):
+        """`layout`: the pipeline Layout of the MoE stack (r1jax.parallel.pipeline); None: model order."""
         D, V, std = cfg.hidden_size, cfg.vocab_size, cfg.initializer_range
         self.cfg, self.dtype, self.remat = cfg, dtype, remat
         self.embed = Embed(V, D, std, dtype, rngs=rngs)
         k = cfg.first_k_dense_replace
         self.dense_layers = Stack(cfg, dtype, False, k, rngs=rngs) if k > 0 else None
-        self.moe_layers = Stack(cfg, dtype, True, cfg.num_moe_layers, rngs=rngs) if cfg.num_moe_layers > 0 else None
+        n_moe = cfg.num_moe_layers if layout is None else layout.slots
+        self.moe_layers = (Stack(cfg, dtype, True, n_moe, rngs=rngs, axis="stages", layout=layout)
+                           if cfg.num_moe_layers > 0 else None)
         self.final_norm = RMSNorm(D, cfg.rms_norm_eps, dtype)
         self.lm_head_DV = None if cfg.tie_word_embeddings else normal_param(rngs, (D, V), ("embed", "vocab"), std)
         self.mtp = nnx.List([MTPModule(cfg, dtype, rngs=rngs) for _ in range(cfg.num_nextn_predict_layers)])
@@ -133,31 +156,30 @@ class Transformer(nnx.Module):
             logits = jnp.einsum("BTD,DV->BTV", h_BTD, cast(self.lm_head_DV, self.dtype))
         return constrain(logits.astype(F32), "batch", "seq", "act_vocab")
 
-    def __call__(self, input_ids: jax.Array, positions: jax.Array | None = None,
-                 segment_ids: jax.Array | None = None, *, mtp: bool = False) -> Output:
-        """input_ids, positions, segment_ids: [B, T] int32. Positions default to 0..T-1 and
-        segment ids to 1 (one document per row); tokens attend only within their segment.
-        `mtp=True` also runs the MTP modules and returns their logits."""
-        cfg, dt = self.cfg, self.dtype
+    def prologue(self, input_ids: jax.Array, positions: jax.Array | None = None,
+                 segment_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Embedding and the dense prefix: (x [B,T,D], positions, segment_ids) with defaults filled."""
         B, T = input_ids.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         if segment_ids is None:
             segment_ids = jnp.ones((B, T), jnp.int32)
-        cos, sin = rope.cos_sin(cfg, positions, dt)
-        mask = attention_mask(segment_ids)
         x = self.embed(input_ids)
-        aux: dict[str, jax.Array] = {}
         if self.dense_layers is not None:
-            x, _ = self.dense_layers(x, cos, sin, mask, self.remat)
-        if self.moe_layers is not None:
-            x, moe_aux = self.moe_layers(x, cos, sin, mask, self.remat)
-            aux.update(moe_aux)
+            cos, sin = rope.cos_sin(self.cfg, positions, self.dtype)
+            x, _ = self.dense_layers(x, cos, sin, attention_mask(segment_ids), self.remat)
+        return x, positions, segment_ids
+
+    def epilogue(self, x: jax.Array, input_ids: jax.Array, positions: jax.Array, segment_ids: jax.Array,
+                 *, mtp: bool = False) -> Output:
+        """Final norm, LM head and (with `mtp`) the MTP modules on the MoE stack's output."""
+        cfg, dt = self.cfg, self.dtype
         h = self.final_norm(x)
         logits = self.head(h)
         if not (mtp and len(self.mtp)):
-            return Output(logits, None, aux)
+            return Output(logits, None, {})
 
+        mask = attention_mask(segment_ids)
         mtp_logits, mtp_aux = [], []
         for depth, module in enumerate(self.mtp, start=1):
             emb = self.embed(jnp.roll(input_ids, -depth, axis=1))
@@ -169,5 +191,18 @@ class Transformer(nnx.Module):
             h, a = run(state, h, emb, cos_k, sin_k, mask)
             mtp_logits.append(self.head(h))
             mtp_aux.append(a)
-        aux.update({f"mtp_{k}": jnp.stack([a[k] for a in mtp_aux]) for k in mtp_aux[0]})
+        aux = {f"mtp_{k}": jnp.stack([a[k] for a in mtp_aux]) for k in mtp_aux[0]}
         return Output(logits, jnp.stack(mtp_logits), aux)
+
+    def __call__(self, input_ids: jax.Array, positions: jax.Array | None = None,
+                 segment_ids: jax.Array | None = None, *, mtp: bool = False) -> Output:
+        """input_ids, positions, segment_ids: [B, T] int32. Positions default to 0..T-1 and
+        segment ids to 1 (one document per row); tokens attend only within their segment.
+        `mtp=True` also runs the MTP modules and returns their logits."""
+        x, positions, segment_ids = self.prologue(input_ids, positions, segment_ids)
+        aux: dict[str, jax.Array] = {}
+        if self.moe_layers is not None:
+            cos, sin = rope.cos_sin(self.cfg, positions, self.dtype)
+            x, aux = self.moe_layers(x, cos, sin, attention_mask(segment_ids), self.remat)
+        out = self.epilogue(x, input_ids, positions, segment_ids, mtp=mtp)
+        return Output(out.logits, out.mtp_logits, {**aux, **out.aux})

@@ -49,6 +49,7 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("mtp_concat", None),
     ("norm", None),
     ("layers", None),
+    ("stages", "pipeline"),          # the pipelined MoE stack's slots (see parallel/pipeline.py)
 )
 
 
@@ -70,6 +71,23 @@ def activate(mesh: Mesh):
     """Mesh + logical rules: needed wherever annotated variables are created or resolved."""
     with jax.set_mesh(mesh), nnx.logical_axis_rules(LOGICAL_RULES):
         yield mesh
+
+
+class MeshedJit:
+    """A jitted function that is traced (and run) with `mesh` and the rules active, so that
+    activation constraints and shard_map inside it see the mesh. `jax.set_mesh` cannot be
+    entered inside `jax.jit`, and `jit` does not capture the context it was created in."""
+
+    def __init__(self, fn, mesh: Mesh):
+        self.fn, self.mesh = fn, mesh
+
+    def __call__(self, *args, **kwargs):
+        with activate(self.mesh):
+            return self.fn(*args, **kwargs)
+
+    def lower(self, *args, **kwargs):
+        with activate(self.mesh):
+            return self.fn.lower(*args, **kwargs)
 
 
 def logical_spec(*names: str | None) -> P:

@@ -15,8 +15,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from r1jax import config as configlib
+    from r1jax.parallel import distributed
     try:
         cfg = configlib.load(args.config, args.overrides)
+        distributed.initialize(cfg.distributed.init_timeout_s)   # before anything starts the JAX backend
     except configlib.ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
@@ -28,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     except configlib.ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    if final:
+    if "loss" in final:          # not on processes other than 0, nor when no step ran
         msg = f"final loss {final['loss']:.4f}"
         if "eval_loss" in final:
             msg += f" (eval {final['eval_loss']:.4f}, perplexity {final['eval_perplexity']:.2f})"
@@ -39,4 +41,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from r1jax.train.trainer import catch_stop_signals_early
+    catch_stop_signals_early()       # a SIGUSR1 during start-up must not kill the job (SLURM requeue)
     sys.exit(main())

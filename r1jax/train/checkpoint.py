@@ -144,6 +144,14 @@ class ParamsReader:
         self.shapes: dict[tuple[str, ...], tuple[int, ...]] = {
             path_key(tuple(getattr(k, "key", k) for k in p)): tuple(m.shape)
             for p, m in jax.tree_util.tree_leaves_with_path(meta)}
+        # a pipelined run keeps its MoE stack in slot order (r1jax/parallel/pipeline.py): read in model order
+        train_meta = self.dir / str(self.step) / "meta" / "metadata"
+        layout = json.loads(train_meta.read_text()).get("moe_layout") if train_meta.is_file() else None
+        from r1jax.parallel.pipeline import Layout
+        self.layout = Layout.from_meta(layout) if layout else None
+        if self.layout is not None:
+            self.shapes = {k: ((self.layout.layers, *v[1:]) if k[0] == "moe_layers" else v)
+                           for k, v in self.shapes.items()}
 
     def read(self, path: tuple) -> np.ndarray:
         release_memory()
@@ -156,6 +164,8 @@ class ParamsReader:
             item=item, restore_args=args, partial_restore=True))
         for k in key:
             out = out[k]
+        if self.layout is not None and key[0] == "moe_layers":
+            out = self.layout.to_layers(out)
         return out
 
     def read_all(self, paths: Iterable[tuple], shardings: dict[tuple, Any]) -> dict[tuple, jax.Array]:

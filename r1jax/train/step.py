@@ -27,9 +27,10 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from r1jax.config import Config, DType
+from r1jax.config import Config, DType, Schedule
 from r1jax.model import Transformer
 from r1jax.parallel import mesh as meshlib
+from r1jax.parallel import pipeline
 from r1jax.train.loss import combine, cross_entropy_sum, loss_sums, shifted_targets, target_counts
 
 State = dict[str, Any]
@@ -72,10 +73,14 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
         return NamedSharding(mesh, meshlib.logical_spec("batch", "seq"))
 
 
-def update_router_bias(rest: nnx.State, load: jax.Array, mtp_load: jax.Array | None, rate: float) -> nnx.State:
-    """b_i += rate * sign(mean_j load_j - load_i), per MoE layer and per MTP block."""
+def update_router_bias(rest: nnx.State, load: jax.Array, mtp_load: jax.Array | None, rate: float,
+                       layout=None) -> nnx.State:
+    """b_i += rate * sign(mean_j load_j - load_i), per MoE layer and per MTP block. `load` is in
+    model order; with a pipeline `layout` the stack's biases sit in its slots (pads get 0)."""
     if rate == 0:
         return rest
+    if layout is not None and not layout.identity:
+        load = layout.to_slots(load)
     flat = []
     for path, var in nnx.to_flat_state(rest):
         if path[-1] == "router_bias_E":
@@ -97,21 +102,45 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, cfg: Config, mes
     fp16 = t.dtype is DType.fp16
     has_moe = m.num_moe_layers > 0
     msh = shardings["params"]
+    layout = pipeline.mesh_layout(cfg, mesh)
 
-    def micro_loss(params, rest, mb, counts, scale):
-        """Loss of one microbatch, normalised by the whole batch's counts (so microbatches add)."""
-        out = nnx.merge(graphdef, params, rest)(mb["ids"], mb["positions"], mb["segment_ids"], mtp=depth > 0)
-        sums = loss_sums(out, mb["ids"], mb["segment_ids"])
+    def finish(out, ids, segment_ids, counts, per: int = 1):
+        """(loss, stats) of a model output, normalised by the whole batch's counts (so the losses
+        of microbatches add); `per`: pipeline microbatches this is one of (balance is a row mean)."""
+        sums = loss_sums(out, ids, segment_ids)
         loss = combine(sums, counts, m.mtp_loss_weight)
-        balance = sum(out.aux[k].sum() for k in ("balance", "mtp_balance") if k in out.aux) / accum
+        balance = sum(out.aux[k].sum() for k in ("balance", "mtp_balance") if k in out.aux) / (accum * per)
         loss = loss + m.seq_aux_loss_alpha * balance
         stats = {"sums": sums, "balance": balance}
         for k in ("load", "dropped", "mtp_load", "mtp_dropped"):
             if k in out.aux:
                 stats[k] = out.aux[k].astype(jnp.float32)
+        return loss, stats
+
+    def micro_loss(params, rest, mb, counts, scale):
+        model = nnx.merge(graphdef, params, rest)
+        if layout is None:
+            out = model(mb["ids"], mb["positions"], mb["segment_ids"], mtp=depth > 0)
+        else:
+            out = pipeline.forward(model, mb["ids"], mb["positions"], mb["segment_ids"], layout=layout,
+                                   microbatches=t.microbatches, mtp=depth > 0)
+        loss, stats = finish(out, mb["ids"], mb["segment_ids"], counts)
         return loss * scale, stats
 
-    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+    if layout is not None and cfg.pipeline.schedule is Schedule.onefoneb:
+        def post_loss(model, y, ids, positions, segment_ids, counts, shards):
+            out = model.epilogue(y, ids, positions, segment_ids, mtp=depth > 0)
+            return finish(out, ids, segment_ids, counts, per=shards)
+
+        def grad_fn(params, rest, mb, counts, scale):
+            (loss, stats), grads = pipeline.loss_and_grads_1f1b(
+                graphdef, params, rest, mb, cfg=cfg, layout=layout, post_loss=post_loss, counts=counts,
+                scale=scale, balance_weight=m.seq_aux_loss_alpha / accum)
+            stage_balance = stats.pop("balance_stack").sum() / accum
+            stats["balance"] = stats["balance"] + stage_balance
+            return (loss, stats), grads
+    else:
+        grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
     def step(state: State, batch: dict[str, jax.Array]):
         scale = state["loss_scale"]["scale"]
@@ -138,7 +167,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, cfg: Config, mes
         params = optax.apply_updates(state["params"], updates)
         rest = state["rest"]
         if has_moe:
-            rest = update_router_bias(rest, stats["load"], stats.get("mtp_load"), m.bias_update_rate)
+            rest = update_router_bias(rest, stats["load"], stats.get("mtp_load"), m.bias_update_rate, layout)
         new = {"params": params, "rest": rest, "opt": opt}
         ls = state["loss_scale"]
         if fp16:
@@ -161,9 +190,8 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, cfg: Config, mes
         return new, metrics
 
     with meshlib.activate(mesh):
-        return jax.jit(step, donate_argnums=0,
-                       in_shardings=(shardings, batch_sharding(mesh)),
-                       out_shardings=(shardings, meshlib.replicated(mesh)))
+        return meshlib.MeshedJit(jax.jit(step, donate_argnums=0, in_shardings=(shardings, batch_sharding(mesh)),
+                                         out_shardings=(shardings, meshlib.replicated(mesh))), mesh)
 
 
 def make_eval_step(graphdef, cfg: Config, mesh: Mesh, shardings: State):
@@ -174,5 +202,5 @@ def make_eval_step(graphdef, cfg: Config, mesh: Mesh, shardings: State):
         return cross_entropy_sum(out.logits, *shifted_targets(batch["ids"], batch["segment_ids"], 1))
 
     with meshlib.activate(mesh):
-        return jax.jit(ev, in_shardings=(shardings, batch_sharding(mesh)),
-                       out_shardings=meshlib.replicated(mesh))
+        return meshlib.MeshedJit(jax.jit(ev, in_shardings=(shardings, batch_sharding(mesh)),
+                                         out_shardings=meshlib.replicated(mesh)), mesh)

@@ -1,0 +1,131 @@
+"""Multi-process start-up (`jax.distributed`) and the one cross-process vote the loop needs.
+
+Where the processes come from decides how they meet:
+- `python -m r1jax.launch --local N` sets R1JAX_COORDINATOR / R1JAX_NUM_PROCESSES /
+  R1JAX_PROCESS_ID (and R1JAX_LOCAL_DEVICE_IDS with --devices-per-process): explicit start-up;
+- `srun` with more than one task: JAX reads SLURM_* itself (coordinator = first node of the step,
+  port 61440 + job id % 4096 unless JAX_COORDINATOR_PORT is set);
+- anything else, including the batch step of an sbatch script run without srun when the job has
+  one task, is a single process and starts nothing.
+
+A process whose peers do not all join within `distributed.init_timeout_s` prints one line and
+exits 1. JAX itself would abort only after about twice that, with a C++ CHECK failure and a stack.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+
+from r1jax.config import ConfigError
+
+EXIT_NO_PEERS = 1
+ENV_COORDINATOR, ENV_NUM, ENV_ID, ENV_DEVICES = (
+    "R1JAX_COORDINATOR", "R1JAX_NUM_PROCESSES", "R1JAX_PROCESS_ID", "R1JAX_LOCAL_DEVICE_IDS")
+
+
+def _int_env(env, name: str) -> int:
+    try:
+        return int(env[name])
+    except (KeyError, ValueError):
+        raise ConfigError(f"{name}={env.get(name)!r}: must be set to an integer "
+                          f"(with {ENV_COORDINATOR}; see python -m r1jax.launch)") from None
+
+
+def plan(env: dict[str, str] | None = None) -> dict | None:
+    """How this process starts: None (single process) or the keyword arguments of
+    `jax.distributed.initialize` (empty for SLURM auto-detection). Pure, for tests."""
+    env = os.environ if env is None else env
+    if env.get(ENV_COORDINATOR):
+        num, pid = _int_env(env, ENV_NUM), _int_env(env, ENV_ID)
+        if not 0 <= pid < num:
+            raise ConfigError(f"{ENV_ID}={pid}: must be in [0, {ENV_NUM}={num})")
+        kw = {"coordinator_address": env[ENV_COORDINATOR], "num_processes": num, "process_id": pid}
+        if env.get(ENV_DEVICES):
+            kw["local_device_ids"] = [int(x) for x in env[ENV_DEVICES].split(",")]
+        return kw if num > 1 else None
+    if "SLURM_JOB_ID" not in env:
+        return None
+    tasks = int(env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS") or 1)
+    if tasks <= 1:
+        return None
+    if "SLURM_STEP_NODELIST" not in env:
+        # the batch script itself (or an salloc shell): one process of a job that asked for several
+        raise ConfigError(f"SLURM job {env['SLURM_JOB_ID']} has {tasks} tasks but this process was not started "
+                          f"by srun; run `srun python -m r1jax.train ...` (see launch/slurm/train.sbatch)")
+    kw: dict = {}
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible and not env.get("JAX_LOCAL_DEVICE_IDS"):
+        # JAX would restrict each task to GPU number SLURM_LOCALID, which is wrong both for one task
+        # per node (it would see 1 of 8 GPUs) and for --gpus-per-task=1 (SLURM already left it one GPU)
+        kw["local_device_ids"] = list(range(len(visible.split(","))))
+    return kw
+
+
+def initialize(timeout_s: int) -> None:
+    """Join the other processes (if any) before anything touches the JAX backend."""
+    kw = plan()
+    if kw is None:
+        return
+    import jax
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    where = kw.get("coordinator_address") or "the SLURM step's first node"
+    who = (f"process {kw['process_id']} of {kw['num_processes']}" if "process_id" in kw
+           else f"task {os.environ.get('SLURM_PROCID')} of {os.environ.get('SLURM_STEP_NUM_TASKS') or os.environ.get('SLURM_NTASKS')}")
+    joined = threading.Event()
+
+    def watchdog():   # connect() releases the GIL, so this thread runs while it blocks
+        if not joined.wait(timeout_s):
+            print(f"error: {who}: not every process joined the coordinator at {where} within {timeout_s} s "
+                  f"(distributed.init_timeout_s); did they all start?", file=sys.stderr, flush=True)
+            os._exit(EXIT_NO_PEERS)
+    threading.Thread(target=watchdog, name="r1jax-join-watchdog", daemon=True).start()
+    try:
+        # JAX's own deadline is later than ours, so the clear line above comes first
+        jax.distributed.initialize(initialization_timeout=timeout_s + 60, **kw)
+    except (RuntimeError, ValueError) as e:
+        raise ConfigError(f"distributed start-up ({who}, coordinator {where}): "
+                          f"{str(e).strip().splitlines()[0]}") from None
+    finally:
+        joined.set()
+
+
+def barrier(name: str, timeout_s: int = 3600) -> None:
+    """Wait until every process gets here, through the coordination service rather than a device
+    collective: gloo gives a process only 30 s to join a collective it has not run before."""
+    import jax
+    if jax.process_count() > 1:
+        import orbax.checkpoint as ocp
+        ocp.multihost.get_barrier_sync_fn()(key=name, timeout_ms=timeout_s * 1000)
+
+
+class StopVote:
+    """Every process learns, at the same step, whether any of them was asked to stop.
+
+    Each call contributes this process's signal number (0: none) to a max over all devices and
+    returns the result of the previous call's vote: reading it one step late keeps the host from
+    waiting on the step just dispatched, and every process reads the same vote at the same step."""
+
+    def __init__(self):
+        import jax
+        import jax.numpy as jnp
+        import numpy as np
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+        self._jax, self._np = jax, np
+        mesh = Mesh(np.asarray(jax.devices()), ("all",))
+        self._in = NamedSharding(mesh, P("all"))
+        self._shape = (jax.device_count(),)
+        self._local = jax.local_device_count()
+        self._max = jax.jit(jnp.max, out_shardings=NamedSharding(mesh, P()))
+        self._pending = None
+
+    def __call__(self, signum: int) -> int:
+        flags = self._np.full((self._local,), signum, self._np.int32)
+        vote = self._max(self._jax.make_array_from_process_local_data(self._in, flags, self._shape))
+        previous, self._pending = self._pending, vote
+        return 0 if previous is None else int(previous)
+
+
+def signal_name(signum: int) -> str:
+    return signal.Signals(signum).name

@@ -1,0 +1,101 @@
+"""Expert parallelism: routed experts sharded over the mesh axis the `experts` logical axis maps
+to, tokens exchanged inside `jax.shard_map` (manual over the batch axes, the rest left to GSPMD).
+
+Two exchanges, chosen by `model.moe_dispatch`:
+- `capacity`: each shard sends each expert at most C = ceil(cf * T_local * k / E) of its pairs
+  through `all_to_all`, the owner runs them as one batched [E_local, ep*C, D] product, a second
+  `all_to_all` brings the results back; overflow pairs are dropped and counted. Static shapes
+  and the least traffic; `lax.ragged_all_to_all` (exact and variable-size) is unimplemented on
+  XLA:CPU, so this fixed-capacity form is the one tests can run.
+- every other dispatch (dropless): each shard all-gathers the tokens of its expert group, runs
+  its local experts on the pairs routed to them with the dropless tile kernel, and a
+  reduce-scatter returns each token's sum. Exact; moves ep x the MoE input instead of k/E of it.
+
+Expert-weight gradients stay sharded over the expert axis; shard_map's autodiff sums the
+replicated router/shared gradients over the batch axes.
+"""
+from __future__ import annotations
+
+import math
+
+import flax.core.spmd as fspmd
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from r1jax.model import dispatch
+from r1jax.parallel.mesh import logical_spec
+
+
+def _axes(entry) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def expert_axis() -> tuple[str | None, int]:
+    """(mesh axis the experts are sharded over, its size); (None, 1) without expert parallelism."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not fspmd.get_logical_axis_rules():
+        return None, 1
+    axes = _axes(logical_spec("experts")[0] if len(logical_spec("experts")) else None)
+    axes = tuple(a for a in axes if mesh.shape[a] > 1)
+    if not axes:
+        return None, 1
+    if len(axes) > 1:
+        raise ValueError(f"experts may be sharded over one mesh axis, not {axes}")
+    return axes[0], mesh.shape[axes[0]]
+
+
+def routed(kind: str, x_TD, w, idx, gate, up, down, *, tile: int, capacity_factor: float):
+    """Routed-expert output [T, D] and the global count of dropped pairs, experts sharded."""
+    mesh = jax.sharding.get_abstract_mesh()
+    axis, ep = expert_axis()
+    token_axes = tuple(a for a in _axes(logical_spec("batch")[0]) if mesh.shape[a] > 1)
+    if axis not in token_axes:
+        raise ValueError(f"expert parallelism needs the tokens sharded over '{axis}' too (batch rule)")
+    E = gate.shape[0]
+
+    def body(x, w, idx, gate, up, down):
+        if kind == "capacity":
+            y, dropped = _all_to_all(x, w, idx, gate, up, down, axis, ep, E, capacity_factor)
+        else:
+            y, dropped = _gather_scatter(x, w, idx, gate, up, down, axis, ep, tile)
+        return y, lax.psum(dropped, token_axes)
+
+    tok, exp = P(token_axes), P(axis)
+    return jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, exp, exp, exp), out_specs=(tok, P()),
+                         axis_names=set(token_axes))(x_TD, w, idx, gate, up, down)
+
+
+def _gather_scatter(x, w, idx, gate, up, down, axis, ep, tile):
+    El = gate.shape[0]
+    lo = lax.axis_index(axis) * El
+    xs = lax.all_gather(x, axis, tiled=True)                     # [ep*Tl, D]: the expert group's tokens
+    ws, ids = lax.all_gather(w, axis, tiled=True), lax.all_gather(idx, axis, tiled=True)
+    local = jnp.where((ids >= lo) & (ids < lo + El), ids - lo, El)   # El: routed to another shard
+    y, _ = dispatch.routed_dropless(xs, ws, local, gate, up, down, tile=tile)
+    return lax.psum_scatter(y, axis, scatter_dimension=0, tiled=True), jnp.int32(0)
+
+
+def _all_to_all(x, w, idx, gate, up, down, axis, ep, E, capacity_factor):
+    Tl, k = idx.shape
+    D, El = x.shape[1], E // ep
+    C = max(1, math.ceil(capacity_factor * Tl * k / E))         # per (source shard, expert)
+    choice_major = idx.T.reshape(-1)                              # first choices get the slots first
+    onehot = jax.nn.one_hot(choice_major, E, dtype=jnp.int32)
+    pos = ((jnp.cumsum(onehot, axis=0) * onehot).sum(1) - 1).reshape(k, Tl).T
+    keep = pos < C
+    slot = jnp.where(keep, idx * C + pos, E * C)                  # E*C: dropped
+    token = jnp.broadcast_to(jnp.arange(Tl, dtype=jnp.int32)[:, None], (Tl, k))
+    table = jnp.full((E * C + 1,), Tl, jnp.int32).at[slot.reshape(-1)].set(token.reshape(-1))[:-1]
+    send = jnp.concatenate([x, jnp.zeros((1, D), x.dtype)])[table].reshape(ep, El, C, D)   # dim0: destination
+    recv = lax.all_to_all(send, axis, 0, 0)                                                # dim0: source
+    xe = recv.transpose(1, 0, 2, 3).reshape(El, ep * C, D)
+    h = jax.nn.silu(jnp.einsum("ECD,EDF->ECF", xe, gate)) * jnp.einsum("ECD,EDF->ECF", xe, up)
+    ye = jnp.einsum("ECF,EFD->ECD", h, down).reshape(El, ep, C, D).transpose(1, 0, 2, 3)
+    back = lax.all_to_all(ye, axis, 0, 0).reshape(E * C, D)                                # owner order
+    out = jnp.concatenate([back, jnp.zeros((1, D), back.dtype)])[slot]                     # [Tl,k,D]
+    y = jnp.einsum("tkd,tk->td", out, w.astype(x.dtype))
+    return y, (Tl * k - keep.sum()).astype(jnp.int32)

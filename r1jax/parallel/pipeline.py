@@ -1,0 +1,451 @@
+"""Pipeline parallelism: the MoE stack split into `mesh.pipeline` stages.
+
+What is pipelined: the MoE layers only. The embedding and dense prefix (`Transformer.prologue`)
+and the final norm, head, MTP and loss (`epilogue`) run outside the stages, under GSPMD, on
+every pipeline rank (with the batch not sharded over `pipeline` they are computed redundantly
+there; they are a few percent of DeepSeek-V3's FLOPs).
+
+Layout. The stack's parameters (and router biases, and their optimizer moments) live in
+`Layout.slots` slots along an axis sharded over `pipeline`: `repeats` chunks of `chunk` slots per
+device. Virtual stage v = r*P + s (repeat r on device s) holds layers v*chunk ... v*chunk+chunk-1;
+slots past the last layer are padding: zero parameters that pass their input through, so layer
+counts that do not divide (DeepSeek-V3's 58 MoE layers on 4 stages: 15+15+15+13) need no other
+handling. Pads get exactly zero gradient and stay zero. Checkpoints hold the slots as they are
+and record the layout; restoring onto another layout reorders (r1jax/train/checkpoint.py).
+
+Schedules (all inside `jax.shard_map`, manual over `pipeline` only; data/fsdp/tensor stay GSPMD
+inside each stage):
+- gpipe: M microbatches flow through P stages in M+P-1 ticks; autodiff gives the backward.
+- circular: R virtual stages per device; stage P-1's output wraps round to stage 0 for the next
+  repeat (M >= P). M*R+P-1 ticks of 1/R the work: the bubble shrinks R-fold.
+- 1f1b: a static per-stage table (P-s-1 warm-up forwards, then one forward / one backward) run
+  tick by tick with `lax.switch`; the backward of a stage is its explicit `jax.vjp`, recomputed
+  from the stage input it kept, so each device holds at most P microbatch inputs instead of the
+  residuals of all M. The last stage runs the epilogue and loss per microbatch and starts that
+  microbatch's backward at once.
+Bubble fraction (P-1)/(M*R+P-1) for all three (R=1 except circular): `bubble()`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from r1jax.config import Config, Schedule
+from r1jax.model import rope
+from r1jax.model.mla import attention_mask
+from r1jax.model.transformer import Output, scan_blocks
+
+AXIS = "pipeline"
+STAGE_AUX = ("load", "dropped", "balance")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where the MoE stack's layers live: `stages` x `repeats` chunks of `chunk` slots."""
+    layers: int
+    stages: int = 1
+    repeats: int = 1
+
+    @property
+    def chunk(self) -> int:
+        return math.ceil(self.layers / (self.stages * self.repeats))
+
+    @property
+    def slots(self) -> int:
+        return self.chunk * self.stages * self.repeats
+
+    @functools.cached_property
+    def order(self) -> np.ndarray:
+        """[slots] the layer each slot holds, -1 for padding."""
+        i = np.arange(self.slots)
+        s, r, j = i // (self.repeats * self.chunk), (i // self.chunk) % self.repeats, i % self.chunk
+        layer = (r * self.stages + s) * self.chunk + j
+        return np.where(layer < self.layers, layer, -1)
+
+    @functools.cached_property
+    def slot_of(self) -> np.ndarray:
+        """[layers] the slot holding each layer."""
+        out = np.zeros(self.layers, np.int64)
+        out[self.order[self.order >= 0]] = np.flatnonzero(self.order >= 0)
+        return out
+
+    @property
+    def valid(self) -> np.ndarray:
+        return self.order >= 0
+
+    @property
+    def identity(self) -> bool:
+        return self.slots == self.layers and bool(np.all(self.order == np.arange(self.layers)))
+
+    def to_slots(self, a):
+        """[layers, ...] in model order -> [slots, ...] (padding zero)."""
+        xp = jnp if isinstance(a, jax.Array) else np
+        taken = a[np.maximum(self.order, 0)]
+        return xp.where(self.valid.reshape(-1, *[1] * (a.ndim - 1)), taken, xp.zeros_like(taken))
+
+    def to_layers(self, a):
+        """[slots, ...] -> [layers, ...] in model order."""
+        return a[self.slot_of]
+
+    def meta(self) -> dict:
+        return {"layers": self.layers, "stages": self.stages, "repeats": self.repeats}
+
+    @classmethod
+    def from_meta(cls, meta: dict) -> "Layout":
+        return cls(int(meta["layers"]), int(meta["stages"]), int(meta["repeats"]))
+
+
+def layout_for(cfg: Config, stages: int) -> Layout | None:
+    """The MoE stack's layout for `stages` pipeline stages (None: the model has no MoE stack)."""
+    if cfg.model.num_moe_layers == 0:
+        return None
+    repeats = cfg.pipeline.repeats if cfg.pipeline.schedule is Schedule.circular else 1
+    return Layout(cfg.model.num_moe_layers, stages, repeats if stages > 1 else 1)
+
+
+def mesh_layout(cfg: Config, mesh) -> Layout | None:
+    """The layout a run on `mesh` keeps the MoE stack in; None without pipeline parallelism."""
+    stages = mesh.shape[AXIS]
+    return layout_for(cfg, stages) if stages > 1 else None
+
+
+def bubble(stages: int, microbatches: int, repeats: int = 1) -> float:
+    """Idle fraction of a lockstep schedule: (P-1)/(M*R+P-1)."""
+    return (stages - 1) / (microbatches * repeats + stages - 1)
+
+
+# ------------------------------------------------------------------------------ helpers
+def _vary(x, axes: tuple[str, ...] = (AXIS,)):
+    """x marked as varying over the manual `axes` (those it already varies over are skipped)."""
+    def one(a):
+        missing = tuple(ax for ax in axes if ax not in jax.typeof(a).manual_axis_type.varying)
+        return lax.pcast(a, missing, to="varying") if missing else a
+    return jax.tree.map(one, x)
+
+
+def _split(a: jax.Array, m: int) -> jax.Array:
+    """[B, ...] -> [M, B/M, ...], microbatch i = rows i, i+M, ... (each keeps its data shard)."""
+    return a.reshape(-1, m, *a.shape[1:]).swapaxes(0, 1)
+
+
+def _unsplit(a: jax.Array) -> jax.Array:
+    return a.swapaxes(0, 1).reshape(-1, *a.shape[2:])
+
+
+def _stage_fn(model, graphdef, axes: tuple[str, ...] = (AXIS,)):
+    """(w [C,...], valid [C], x, positions, segment_ids) -> (y, aux [C,...]): one stage's layers."""
+    cfg, dtype, remat = model.cfg, model.dtype, model.remat
+
+    def stage(w, valid, x, pos, seg):
+        cos, sin = rope.cos_sin(cfg, pos, dtype)
+        y, aux = scan_blocks(graphdef, w, _vary(x, axes), cos, sin, attention_mask(seg), remat, valid)
+        return y, {k: aux[k].astype(jnp.float32) for k in STAGE_AUX}
+    return stage
+
+
+def _stack_parts(model, layout: Layout):
+    graphdef, state = nnx.split(model.moe_layers.layers)
+    return graphdef, state, jnp.asarray(layout.valid)
+
+
+def _stage_aux(acc: dict, layout: Layout, m: int) -> dict:
+    """Per-slot sums over microbatches -> model-order aux (balance as a mean over microbatches)."""
+    out = {k: layout.to_layers(acc[k]) for k in STAGE_AUX}
+    out["balance"] = out["balance"] / m
+    return out
+
+
+# ------------------------------------------------------------------------ gpipe, circular
+def forward(model, input_ids, positions, segment_ids, *, layout: Layout, microbatches: int,
+            mtp: bool = False) -> Output:
+    """The model's forward pass with the MoE stack pipelined (GPipe, or circular when
+    layout.repeats > 1); differentiable. Equals `model(...)` up to fp32 rounding."""
+    M, Ps, R, C = microbatches, layout.stages, layout.repeats, layout.chunk
+    x, positions, segment_ids = model.prologue(input_ids, positions, segment_ids)
+    graphdef, state, valid = _stack_parts(model, layout)
+    stage = _stage_fn(model, graphdef)
+    ticks = M * R + Ps - 1
+
+    def per_device(w, valid, xm, posm, segm):
+        s = lax.axis_index(AXIS)
+        w = jax.tree.map(lambda a: a.reshape(R, C, *a.shape[1:]), w)
+        valid = valid.reshape(R, C)
+        carry0 = _vary(jnp.zeros_like(xm[0]))
+        buf0 = _vary(jnp.zeros_like(xm)) if R > 1 else None
+        aux_shapes = jax.eval_shape(lambda: stage(jax.tree.map(lambda a: a[0], w), valid[0], xm[0], posm[0], segm[0])[1])
+        acc0 = _vary(jax.tree.map(lambda a: jnp.zeros((R, *a.shape), a.dtype), aux_shapes))
+
+        def tick(c, t):
+            state, buf, acc = c
+            k = t - s                                   # the item this stage works on
+            active = (k >= 0) & (k < M * R)
+            k = jnp.clip(k, 0, M * R - 1)
+            m, r = k % M, k // M
+            if R > 1:
+                # stage P-1's output of the previous tick (item t-P) is back at stage 0: park it
+                # until that microbatch's next repeat
+                slot = (t - Ps) % M
+                buf = buf.at[slot].set(jnp.where((s == 0) & (t >= Ps), state, buf[slot]))
+                first = jnp.where(r == 0, xm[m], buf[m])
+                wr = jax.tree.map(lambda a: a[r], w)
+            else:
+                first, wr = xm[m], jax.tree.map(lambda a: a[0], w)
+            x_in = jnp.where(s == 0, first, state)
+            y, aux = stage(wr, valid[r], x_in, posm[m], segm[m])
+            acc = jax.tree.map(lambda a, b: a.at[r].add(jnp.where(active, b, jnp.zeros_like(b))), acc, aux)
+            nxt = lax.ppermute(y, AXIS, [(i, (i + 1) % Ps) for i in range(Ps)])
+            return (nxt, buf, acc), y
+
+        (_, _, acc), ys = lax.scan(tick, (carry0, buf0, acc0), jnp.arange(ticks))
+        ys = ys[(R - 1) * M + Ps - 1:]                  # stage P-1's last-repeat outputs, microbatch order
+        ys = lax.psum(jnp.where(s == Ps - 1, ys, jnp.zeros_like(ys)), AXIS)
+        return ys, jax.tree.map(lambda a: a.reshape(R * C, *a.shape[2:]), acc)
+
+    run = jax.shard_map(per_device, in_specs=(P(AXIS), P(AXIS), P(), P(), P()), out_specs=(P(), P(AXIS)),
+                        axis_names={AXIS})
+    ym, acc = run(state, valid, _split(x, M), _split(positions, M), _split(segment_ids, M))
+    out = model.epilogue(_unsplit(ym), input_ids, positions, segment_ids, mtp=mtp)
+    return Output(out.logits, out.mtp_logits, {**_stage_aux(acc, layout, M), **out.aux})
+
+
+# ------------------------------------------------------------------------------ 1F1B
+@functools.lru_cache(maxsize=32)
+def schedule_1f1b(stages: int, microbatches: int):
+    """The 1F1B table: (op [T,P], mb [T,P], recv_f [T,P], recv_b [T,P], ring sizes).
+
+    op 0 idle, 1 forward, 2 backward, each one tick; stage s runs min(P-s-1, M) warm-up forwards,
+    then alternates backward/forward, then drains its backwards (Megatron's order), each op as
+    soon as its input has arrived. recv_f[t,s] / recv_b[t,s]: the microbatch whose activation /
+    gradient reaches stage s after tick t (-1: none). Ring sizes are the most items any stage
+    holds at once: received activations, kept stage inputs, received gradients."""
+    Ps, M = stages, microbatches
+    orders = []
+    for s in range(Ps):
+        warm = min(Ps - s - 1, M)
+        seq = [("F", m) for m in range(warm)]
+        f, b = warm, 0
+        while b < M:
+            if f < M:
+                seq.append(("F", f))
+                f += 1
+            seq.append(("B", b))
+            b += 1
+        orders.append(seq)
+    done_f = [[None] * M for _ in range(Ps)]
+    done_b = [[None] * M for _ in range(Ps)]
+    pos = [0] * Ps
+    rows = []
+    t = 0
+    while any(pos[s] < len(orders[s]) for s in range(Ps)):
+        row = []
+        for s in range(Ps):
+            if pos[s] == len(orders[s]):
+                row.append((0, 0))
+                continue
+            kind, m = orders[s][pos[s]]
+            if kind == "F":
+                ready = s == 0 or (done_f[s - 1][m] is not None and done_f[s - 1][m] < t)
+            else:
+                ready = (done_f[s][m] is not None and done_f[s][m] < t) if s == Ps - 1 else \
+                    (done_b[s + 1][m] is not None and done_b[s + 1][m] < t)
+            row.append((1 if kind == "F" else 2, m) if ready else (0, 0))
+        for s, (op, m) in enumerate(row):
+            if op:
+                (done_f if op == 1 else done_b)[s][m] = t
+                pos[s] += 1
+        rows.append(row)
+        t += 1
+        if t > 4 * (M + Ps) + 8:
+            raise RuntimeError("1F1B schedule did not converge")
+    T = len(rows)
+    op = np.array([[r[0] for r in row] for row in rows], np.int32)
+    mb = np.array([[r[1] for r in row] for row in rows], np.int32)
+    recv_f = np.full((T, Ps), -1, np.int32)
+    recv_b = np.full((T, Ps), -1, np.int32)
+    for t in range(T):
+        for s in range(Ps):
+            if s > 0 and op[t, s - 1] == 1:
+                recv_f[t, s] = mb[t, s - 1]
+            if s < Ps - 1 and op[t, s + 1] == 2:
+                recv_b[t, s] = mb[t, s + 1]
+
+    def most(arrive, leave):            # items held at once, per stage, given arrival/consumption ticks
+        best = 1
+        for s in range(Ps):
+            held = 0
+            for t in range(T):
+                held += sum(1 for m in range(M) if arrive(s, m) == t)
+                best = max(best, held)
+                held -= sum(1 for m in range(M) if leave(s, m) == t)
+        return best
+    k_act = most(lambda s, m: done_f[s - 1][m] if s else -1, lambda s, m: done_f[s][m] if s else -1)
+    k_in = most(lambda s, m: done_f[s][m], lambda s, m: done_b[s][m])
+    k_grad = most(lambda s, m: done_b[s + 1][m] if s < Ps - 1 else done_f[s][m], lambda s, m: done_b[s][m])
+    return op, mb, recv_f, recv_b, (k_act, k_in, k_grad)
+
+
+def _key(path: tuple) -> str:
+    return "/".join(map(str, path))
+
+
+def _partition(state: nnx.State):
+    """(MoE stack leaves, other leaves) as flat {"a/b/c": array} dicts."""
+    flat = {_key(p): v.get_value() for p, v in nnx.to_flat_state(state)}
+    return ({k: a for k, a in flat.items() if k.startswith("moe_layers/")},
+            {k: a for k, a in flat.items() if not k.startswith("moe_layers/")})
+
+
+def _state_of(template: nnx.State, values: dict) -> nnx.State:
+    """`template` with its leaves taken from `values` (those it has)."""
+    return nnx.from_flat_state([(p, v.replace(values[_key(p)])) for p, v in nnx.to_flat_state(template)
+                                if _key(p) in values])
+
+
+ONEFONEB_MANUAL = (AXIS, "data")
+
+
+def loss_and_grads_1f1b(graphdef, params: nnx.State, rest: nnx.State, batch: dict, *, cfg: Config,
+                        layout: Layout, post_loss, counts, scale, balance_weight: float):
+    """One (grad_accum) microbatch under 1F1B: ((loss * scale, stats), grads of params).
+
+    `post_loss(model, y, ids, positions, segment_ids, counts, shards)` -> (loss, stats) is the
+    epilogue and loss of one pipeline microbatch's rows on one data shard, normalised by the whole
+    step's `counts` so that all of them add (`shards`: how many such pieces a row mean is split
+    into); `balance_weight` scales the stages' balance-loss outputs in the total loss.
+
+    Both `pipeline` and `data` are manual here: a stage's ops run under `lax.switch` on a
+    per-device index, and no collective may sit inside the branches (XLA:CPU's in-process
+    collectives wait for every device, so a branch that only some take deadlocks). With the
+    batch manual, a stage needs none; the gradient sums over `data` run once, at the end."""
+    M, Ps = cfg.train.microbatches, layout.stages
+    mesh = jax.sharding.get_abstract_mesh()
+    n_data = mesh.shape["data"]
+    op_t, mb_t, rf_t, rb_t, (k_act, k_in, k_grad) = schedule_1f1b(Ps, M)
+    stack_v, other_v = _partition(params)
+    rest_stack, rest_other = _partition(rest)
+    model = nnx.merge(graphdef, params, rest)
+    layers_state = nnx.state(model.moe_layers.layers)
+
+    def prologue(other):
+        m = nnx.merge(graphdef, _state_of(params, {**stack_v, **other}), rest)
+        return m.prologue(batch["ids"], batch["positions"], batch["segment_ids"])[0]
+
+    x, pro_vjp = jax.vjp(prologue, other_v)
+    block_gd, _, valid = _stack_parts(model, layout)
+    stage = _stage_fn(model, block_gd, ONEFONEB_MANUAL)
+    ids_m, pos_m, seg_m = (_split(batch[k], M) for k in ("ids", "positions", "segment_ids"))
+    shards = M * n_data                        # pieces each row mean (the balance losses) is split into
+
+    def block_state(stack, rstack):
+        """The stack's per-layer Block state from flat param and bias leaves (local slots)."""
+        flat = {k[len("moe_layers/layers/"):]: a for k, a in {**stack, **rstack}.items()}
+        return _state_of(layers_state, flat)
+
+    def per_device(stack, rstack, other, rother, valid, xm, idsm, posm, segm, counts, scale):
+        s = lax.axis_index(AXIS)
+        last = s == Ps - 1
+        vary = functools.partial(_vary, axes=ONEFONEB_MANUAL)
+        # weights varying over data too: their gradients stay per shard, summed once at the end
+        stack, other = vary(stack), vary(other)
+        row = lambda tbl, t: jnp.asarray(tbl)[t][s]     # noqa: E731
+
+        def stage_w(stack_, x, m):
+            y, aux = stage(block_state(stack_, rstack), valid, x, posm[m], segm[m])
+            return (y, aux["balance"].sum()), aux
+
+        def post(other_, y, m):
+            mdl = nnx.merge(graphdef, _state_of(params, {**stack, **other_}),
+                            _state_of(rest, {**rstack, **rother}))
+            return post_loss(mdl, y, idsm[m], posm[m], segm[m], counts, shards)
+
+        zeros_like = lambda t: jax.tree.map(jnp.zeros_like, t)      # noqa: E731
+        aux_shape = jax.eval_shape(lambda: stage_w(stack, xm[0], 0)[1])
+        y_shape = jax.ShapeDtypeStruct(xm.shape[1:], xm.dtype)
+        post_shape = jax.eval_shape(lambda: post(other, jnp.zeros(y_shape.shape, y_shape.dtype), 0))
+        bal_w = balance_weight / shards
+        bal_ct = jnp.float32(bal_w) * scale
+
+        def out_zeros():
+            z = jnp.zeros(y_shape.shape, y_shape.dtype)
+            return vary({"send_f": z, "send_b": z, "dy": z, "dstack": zeros_like(stack),
+                         "dother": zeros_like(other), "loss": jnp.float32(0),
+                         "aux": jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux_shape),
+                         "post": jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), post_shape[1])})
+
+        def idle(m, x_f, x_b, dy):
+            return out_zeros()
+
+        def fwd(m, x_f, x_b, dy):
+            o = out_zeros()
+            (y, bal), aux = stage_w(stack, x_f, m)
+            o.update(send_f=y, aux=aux, loss=bal * bal_w)
+            return vary(o)
+
+        def fwd_last(m, x_f, x_b, dy):
+            o = out_zeros()
+            (y, bal), aux = stage_w(stack, x_f, m)
+            loss, back, stats = jax.vjp(lambda ot, yy: post(ot, yy, m), other, y, has_aux=True)
+            d_other, d_y = back(vary(scale))
+            o.update(dy=d_y, dother=d_other, aux=aux, post=stats, loss=loss + bal * bal_w)
+            return vary(o)
+
+        def bwd(m, x_f, x_b, dy):
+            o = out_zeros()
+            _, back, _ = jax.vjp(lambda st, xx: stage_w(st, xx, m), stack, x_b, has_aux=True)
+            d_stack, d_x = back((dy, vary(bal_ct)))
+            o.update(send_b=d_x, dstack=d_stack)
+            return vary(o)
+
+        acc0 = out_zeros()
+        carry0 = {"act": vary(jnp.zeros((k_act, *y_shape.shape), y_shape.dtype)),
+                  "inp": vary(jnp.zeros((k_in, *y_shape.shape), y_shape.dtype)),
+                  "grad": vary(jnp.zeros((k_grad, *y_shape.shape), y_shape.dtype)),
+                  "dx": vary(jnp.zeros_like(xm)),
+                  "acc": {k: acc0[k] for k in ("dstack", "dother", "loss", "aux", "post")}}
+
+        def tick(c, t):
+            op, m, rf, rb = row(op_t, t), row(mb_t, t), row(rf_t, t), row(rb_t, t)
+            x_f = jnp.where(s == 0, xm[m], c["act"][m % k_act])
+            x_b, dy = c["inp"][m % k_in], c["grad"][m % k_grad]
+            branch = jnp.where((op == 1) & last, 3, op)
+            o = lax.switch(branch, [idle, fwd, bwd, fwd_last], m, x_f, x_b, dy)
+            is_f, is_b = op == 1, op == 2
+            c = dict(c)
+            c["inp"] = c["inp"].at[m % k_in].set(jnp.where(is_f, x_f, x_b))
+            c["grad"] = c["grad"].at[m % k_grad].set(jnp.where(is_f & last, o["dy"], dy))
+            c["dx"] = c["dx"].at[m].add(jnp.where(is_b & (s == 0), o["send_b"], jnp.zeros_like(o["send_b"])))
+            c["acc"] = jax.tree.map(jnp.add, c["acc"], {k: o[k] for k in c["acc"]})
+            recv_f = lax.ppermute(o["send_f"], AXIS, [(i, i + 1) for i in range(Ps - 1)])
+            recv_b = lax.ppermute(o["send_b"], AXIS, [(i + 1, i) for i in range(Ps - 1)])
+            fa = jnp.maximum(rf, 0) % k_act
+            c["act"] = c["act"].at[fa].set(jnp.where(rf >= 0, recv_f, c["act"][fa]))
+            ga = jnp.maximum(rb, 0) % k_grad
+            c["grad"] = c["grad"].at[ga].set(jnp.where(rb >= 0, recv_b, c["grad"][ga]))
+            return c, None
+
+        c, _ = lax.scan(tick, carry0, jnp.arange(op_t.shape[0]))
+        acc = c["acc"]
+        both = ONEFONEB_MANUAL
+        return (lax.psum(acc["loss"], both), lax.psum(acc["post"], both), lax.psum(acc["aux"], "data"),
+                lax.psum(acc["dstack"], "data"), lax.psum(acc["dother"], both), lax.psum(c["dx"], AXIS))
+
+    rows = P(None, "data")
+    run = jax.shard_map(per_device, in_specs=(P(AXIS), P(AXIS), P(), P(), P(AXIS), rows, rows, rows, rows, P(), P()),
+                        out_specs=(P(), P(), P(AXIS), P(AXIS), P(), rows), axis_names=set(ONEFONEB_MANUAL))
+    with nnx.logical_axis_rules(()):          # no activation constraints on manual axes inside
+        loss, post_stats, aux, d_stack, d_other_post, dxm = run(
+            stack_v, rest_stack, other_v, rest_other, valid, _split(x, M), ids_m, pos_m, seg_m, counts, scale)
+    (d_other_pro,) = pro_vjp(_unsplit(dxm))
+    grads = {**d_stack, **jax.tree.map(jnp.add, d_other_post, d_other_pro)}
+    stage_aux = _stage_aux(aux, layout, M)
+    stats = {**post_stats, "load": stage_aux["load"], "dropped": stage_aux["dropped"],
+             "balance_stack": stage_aux["balance"] / n_data}
+    return (loss * scale, stats), _state_of(params, grads)
