@@ -349,6 +349,12 @@ def train(cfg: Config, run_dir: str | Path) -> dict[str, float]:
     n = count_params(m)
     log_line(f"model: {n.main / 1e6:.1f}M parameters (+{n.mtp / 1e6:.1f}M MTP), {n.activated / 1e6:.1f}M "
              f"activated per token; compute {t.dtype.value}, remat {t.remat.value}, grad_accum {t.grad_accum}")
+    if layout is not None:
+        r = layout.repeats
+        log_line(f"pipeline: {layout.stages} stages x {r} repeats, schedule {cfg.pipeline.schedule.value}, "
+                 f"{t.microbatches} microbatches; {layout.layers} MoE layers in {layout.slots} slots "
+                 f"({layout.chunk} per virtual stage); bubble (P-1)/(M*R+P-1) = "
+                 f"{pipeline.bubble(layout.stages, t.microbatches, r):.3f}")
     if t.remat.value == "offload" and devices[0].platform == "cpu":
         log_line("note: remat=offload on CPU: device memory is host memory, so offloading saves nothing here")
     tx = optim.make(cfg.optim, t.steps)
