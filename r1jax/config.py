@@ -472,6 +472,11 @@ def validate(cfg: Config) -> None:
     if mesh.tensor > 1:
         _need(m.num_attention_heads % mesh.tensor == 0,
               f"mesh.tensor={mesh.tensor}: must divide model.num_attention_heads ({m.num_attention_heads})")
+    if mesh.fsdp > 1:
+        for key in ("hidden_size", "q_lora_rank", "kv_lora_rank"):
+            v = getattr(m, key)
+            _need(v is None or v % mesh.fsdp == 0,
+                  f"mesh.fsdp={mesh.fsdp}: must divide model.{key} ({v}); fsdp shards those dimensions")
     if mesh.expert > 1 and moe_used:
         _need(m.n_routed_experts % mesh.expert == 0,
               f"mesh.expert={mesh.expert}: must divide model.n_routed_experts ({m.n_routed_experts})")

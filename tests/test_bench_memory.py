@@ -2,11 +2,9 @@
 bench/memory.py's `measure` on configs/demo.yaml (state built as the trainer builds it, not
 compiled), and fsdp shards every array the logical rules let it shard.
 
-Why demo.yaml and not tiny.yaml: the rules map only the `embed` (hidden_size) axis to fsdp, so
-arrays without one stay whole on every device: the norm weights, the router biases, and MLA's
-wq_b (q_lora x heads x head_dim) and wkv_b (kv_lora x heads x head_dim). In tiny.yaml those are
-10.5% of the parameter bytes and the ratio is 4.6x; in demo.yaml 1.2% (7.4x), in DeepSeek-V3
-0.5% (7.7x). This test pins which arrays those are, so a new unsharded array shows up here."""
+The rules map `embed` (hidden_size) and, for MLA's wq_b and wkv_b, the latent input axes
+(`q_lora_in`, `kv_lora_in`) to fsdp; only the norm weights and router biases stay whole on every
+device. This test pins which arrays those are, so a new unsharded array shows up here."""
 from __future__ import annotations
 
 import importlib.util
@@ -14,10 +12,10 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# the only logical axis LOGICAL_RULES maps to fsdp; arrays without it may stay whole
-FSDP_LOGICAL = "embed"
-# the kinds of arrays that have no `embed` axis (leaf names; norms are `<name>/weight`)
-WHOLE_KINDS = {"wq_b_QNH", "wkv_b_CNH", "router_bias_E"}
+# the logical axes LOGICAL_RULES maps to fsdp; arrays without one may stay whole
+FSDP_LOGICAL = {"embed", "q_lora_in", "kv_lora_in"}
+# the kinds of arrays that have none of them (leaf names; norms are `<name>/weight`)
+WHOLE_KINDS = {"router_bias_E"}
 
 
 def _bench():
@@ -54,9 +52,9 @@ def test_fsdp8_cuts_param_and_optimizer_bytes_7x():
     # data 8 replicates everything; the state is the same on both meshes
     assert all(a["shard_bytes"] == a["bytes"] for a in data8["arrays"].values())
     assert data8["param_opt_bytes"] == data8["param_opt_bytes_global"] == fsdp8["param_opt_bytes_global"]
-    # each device holds exactly 1/8 of every array with an `embed` axis, and all of the others
+    # each device holds exactly 1/8 of every array with an fsdp-mapped axis, and all of the others
     for path, a in fsdp8["arrays"].items():
-        if FSDP_LOGICAL in a["logical"]:
+        if FSDP_LOGICAL & set(a["logical"]):
             assert "fsdp" in a["spec"] and a["shard_bytes"] * 8 == a["bytes"], (path, a)
         else:
             assert a["shard_bytes"] == a["bytes"], (path, a)

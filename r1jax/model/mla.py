@@ -48,12 +48,12 @@ class MLA(nnx.Module):
             Q = cfg.q_lora_rank
             self.wq_a_DQ = normal_param(rngs, (D, Q), ("embed", "q_lora"), std)
             self.q_norm = RMSNorm(Q, LATENT_NORM_EPS, dtype)
-            self.wq_b_QNH = normal_param(rngs, (Q, N, K + R), ("q_lora", "heads", "qk_head"), std)
+            self.wq_b_QNH = normal_param(rngs, (Q, N, K + R), ("q_lora_in", "heads", "qk_head"), std)
             if cfg.attention_bias:
                 self.bq_a_Q = const_param(0.0, (Q,), ("q_lora",))
         self.wkv_a_DC = normal_param(rngs, (D, C + R), ("embed", "kv_lora"), std)
         self.kv_norm = RMSNorm(C, LATENT_NORM_EPS, dtype)
-        self.wkv_b_CNH = normal_param(rngs, (C, N, K + V), ("kv_lora", "heads", "v_head"), std)
+        self.wkv_b_CNH = normal_param(rngs, (C, N, K + V), ("kv_lora_in", "heads", "v_head"), std)
         self.wo_NVD = normal_param(rngs, (N, V, D), ("heads", "v_head", "embed"), std)
         if cfg.attention_bias:
             self.bkv_a_C = const_param(0.0, (C + R,), ("kv_lora",))

@@ -40,6 +40,8 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("heads", "tensor"),
     ("q_lora", None),
     ("kv_lora", None),
+    ("q_lora_in", "fsdp"),           # the latent as an input (wq_b, wkv_b): these have no embed axis
+    ("kv_lora_in", "fsdp"),
     ("qk_head", None),
     ("v_head", None),
     ("mlp", "tensor"),

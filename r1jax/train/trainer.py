@@ -107,7 +107,7 @@ def _same_architecture(cfg: ModelConfig, other: ModelConfig, source: str) -> Non
                               f"but the config says {key}={value}")
 
 
-def _initial_model(cfg: Config, mesh, dtype, layout) -> modellib.Transformer:
+def _initial_model(cfg: Config, mesh, dtype, layout: Layout | None = None) -> modellib.Transformer:
     """Fresh weights, or those named by model.init_from (MTP modules it lacks stay fresh)."""
     m, t = cfg.model, cfg.train
     if not m.init_from:
