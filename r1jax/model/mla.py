@@ -22,7 +22,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from r1jax.config import ModelConfig
 from r1jax.model import rope
-from r1jax.model.layers import F32, RMSNorm, cast, const_param, normal_param
+from r1jax.model.layers import dense, F32, RMSNorm, cast, const_param, normal_param
 from r1jax.parallel.mesh import constrain
 
 LATENT_NORM_EPS = 1e-6
@@ -65,21 +65,21 @@ class MLA(nnx.Module):
         K, C = cfg.qk_nope_head_dim, cfg.kv_lora_rank
         heads = ("batch", "seq", "act_heads", None)
         if cfg.q_lora_rank is None:
-            q = jnp.einsum("BTD,DNH->BTNH", x_BTD, cast(self.wq_DNH, dt))
+            q = dense(x_BTD, cast(self.wq_DNH, dt))              # BTD,DNH->BTNH
         else:
-            qa = jnp.einsum("BTD,DQ->BTQ", x_BTD, cast(self.wq_a_DQ, dt))
+            qa = dense(x_BTD, cast(self.wq_a_DQ, dt))           # BTD,DQ->BTQ
             if cfg.attention_bias:
                 qa = qa + cast(self.bq_a_Q, dt)
-            q = jnp.einsum("BTQ,QNH->BTNH", self.q_norm(qa), cast(self.wq_b_QNH, dt))
+            q = dense(self.q_norm(qa), cast(self.wq_b_QNH, dt))  # BTQ,QNH->BTNH
         q = constrain(q, *heads)
         q_nope, q_rope = q[..., :K], rope.apply(q[..., K:], cos_BTR, sin_BTR, cfg.rope_interleave)
 
-        kv_a = jnp.einsum("BTD,DC->BTC", x_BTD, cast(self.wkv_a_DC, dt))
+        kv_a = dense(x_BTD, cast(self.wkv_a_DC, dt))          # BTD,DC->BTC
         if cfg.attention_bias:
             kv_a = kv_a + cast(self.bkv_a_C, dt)
         c = self.kv_norm(kv_a[..., :C])
         k_rope = rope.apply(kv_a[..., C:], cos_BTR, sin_BTR, cfg.rope_interleave)
-        kv = constrain(jnp.einsum("BTC,CNH->BTNH", c, cast(self.wkv_b_CNH, dt)), *heads)
+        kv = constrain(dense(c, cast(self.wkv_b_CNH, dt)), *heads)          # BTC,CNH->BTNH
         k_nope, v = kv[..., :K], kv[..., K:]
 
         scores = (jnp.einsum("BTNK,BSNK->BNTS", q_nope, k_nope)
@@ -87,7 +87,7 @@ class MLA(nnx.Module):
         scores = jnp.where(mask_B1TS, scores, jnp.finfo(F32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(dt)
         o = constrain(jnp.einsum("BNTS,BSNV->BTNV", probs, v), *heads)
-        out = jnp.einsum("BTNV,NVD->BTD", o, cast(self.wo_NVD, dt))
+        out = dense(o, cast(self.wo_NVD, dt), 2)                # BTNV,NVD->BTD
         if cfg.attention_bias:
             out = out + cast(self.bo_D, dt)
         return checkpoint_name(constrain(out, "batch", "seq", "act_embed"), "attn_out")

@@ -21,7 +21,7 @@ from flax import nnx
 
 from r1jax.config import ModelConfig, Remat
 from r1jax.model import rope
-from r1jax.model.layers import F32, MLP, Embed, RMSNorm, cast, normal_param
+from r1jax.model.layers import F32, MLP, dense, Embed, RMSNorm, cast, normal_param
 from r1jax.model.mla import MLA, attention_mask
 from r1jax.model.moe import MoE
 from r1jax.parallel.mesh import constrain
@@ -126,7 +126,7 @@ class MTPModule(nnx.Module):
 
     def __call__(self, h_prev, emb_next, cos, sin, mask):
         x = jnp.concatenate([self.enorm(emb_next), self.hnorm(h_prev)], axis=-1)
-        x = jnp.einsum("BTE,ED->BTD", x, cast(self.eh_proj_2DD, self.dtype))
+        x = dense(x, cast(self.eh_proj_2DD, self.dtype))                     # BTE,ED->BTD
         y, aux = self.block(constrain(x, "batch", "seq", "act_embed"), cos, sin, mask)
         return self.final_norm(y), aux
 
@@ -153,7 +153,7 @@ class Transformer(nnx.Module):
         if self.lm_head_DV is None:
             logits = jnp.einsum("BTD,VD->BTV", h_BTD, cast(self.embed.embedding_VD, self.dtype))
         else:
-            logits = jnp.einsum("BTD,DV->BTV", h_BTD, cast(self.lm_head_DV, self.dtype))
+            logits = dense(h_BTD, cast(self.lm_head_DV, self.dtype))                     # BTD,DV->BTV
         return constrain(logits.astype(F32), "batch", "seq", "act_vocab")
 
     def prologue(self, input_ids: jax.Array, positions: jax.Array | None = None,
