@@ -1,0 +1,851 @@
+"""Capacity planner: per-device memory of r1jax's train step, and the MLA KV cache, for a mesh and GPU.
+
+    python -m r1jax.plan --config C --mesh data=2,expert=64,pipeline=16 --hardware h100-80gb --nodes 256
+                         [--json PATH] [--check] [--no-search] [section.key=value ...]
+
+Nothing is allocated: each parameter's shape, dtype and logical axis names come from
+`r1jax.model.abstract` on a 1-device mesh, and its per-device shard from `LOGICAL_RULES` and the
+planned mesh sizes, by arithmetic (a 2048-device mesh is never built). What is counted, per device:
+
+- state (the step's donated arguments): fp32 master parameters, AdamW mu + nu (fp32, sharded like
+  the parameters), router biases, the step/rng/loss-scale scalars and this device's batch rows.
+  With mesh.pipeline > 1 the MoE stack sits in `Layout.slots` padded slots sharded over
+  `pipeline`; everything else is whole on every stage (r1jax/parallel/pipeline.py);
+- the step's temporaries (XLA's `temp`): fp32 gradients (sharded like the parameters; with
+  grad_accum > 1 the running sum plus one microbatch's), what each layer saves for its backward
+  under `train.remat` (one stacked buffer per scanned stack; GPipe/circular keep every tick's),
+  the fp32 logits of the head and the MTP heads with their gradient, and the working set of the
+  layer running. `_phases` lists the live bytes at each point of the step (forward through the
+  dense, MoE and MTP blocks, loss, backward, optimizer); the peak is the largest, times `PACKING`;
+- inference: the MLA latent KV cache, (kv_lora_rank + qk_rope_head_dim) x layers x 2 bytes a token.
+
+How the activation model was built: the inventory follows r1jax's code (mla.py, moe.py,
+dispatch.py, transformer.py, pipeline.py); how many copies of each tensor XLA keeps at each point
+was read off its buffer assignment of the real step (XLA_FLAGS=--xla_dump_to, the
+`*-live-range.txt` peak lists) on tiny configs, and checked against `compiled.memory_analysis()`
+(`--check`, tests/test_plan.py). Two facts from there shape it: without expert parallelism the
+routed dispatch sorts the tokens of the whole (pipeline) microbatch, so every device holds the
+routed buffers of *all* of them (their hidden dimension sharded over fsdp, the expert FFN width
+over tensor); and attention materialises fp32 scores [rows, heads/tensor, T, T] (no flash
+attention), which dominate at 4K tokens. What the CPU cannot show is modelled from the code and
+not measured: bf16/fp16 buffers (XLA:CPU keeps much of a bf16 step in fp32), ragged_dot (the GPU
+dispatch; counted like the dropless tiles, a row per token-expert pair), the fsdp-gathered layer.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import itertools
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from r1jax import config as configlib
+from r1jax.config import Config, ConfigError, DType, MeshConfig, MoEDispatch, Remat, Schedule
+
+AXES = ("data", "fsdp", "tensor", "expert", "pipeline")
+GPUS_PER_NODE = 8
+# device memory as nvidia-smi reports it (MiB), and the share the planner lets the step use
+HARDWARE_MIB = {"a100-80gb": 81920, "h100-80gb": 81559, "h200-141gb": 143771}
+RESERVE = 0.10       # CUDA context, NCCL buffers, XLA's allocator slack (set XLA_PYTHON_CLIENT_MEM_FRACTION=0.9)
+# XLA's temp over the live bytes at its peak: its heap packing leaves gaps. Measured 1.02-1.29 on
+# CPU (buffer assignments of 10 configs); the activation counts were fitted with this value.
+PACKING = 1.12
+F32 = 4
+DTYPE_BYTES = {DType.fp32: 4, DType.bf16: 2, DType.fp16: 2}
+GiB = 2**30
+
+
+# ----------------------------------------------------------------------------------- parameters
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+    path: str
+    shape: tuple[int, ...]
+    itemsize: int
+    names: tuple[str | None, ...]
+    trainable: bool            # nnx.Param (gradients, AdamW state); False: router biases
+
+
+@functools.lru_cache(maxsize=8)
+def leaves(model: configlib.ModelConfig) -> tuple[Leaf, ...]:
+    """Every variable of the model in model order (no pipeline layout), from abstract shapes."""
+    from flax import nnx
+
+    from r1jax.model import abstract
+    from r1jax.parallel.mesh import single_device_mesh
+
+    _, state = abstract(model, single_device_mesh())
+    out = []
+    for path, var in nnx.to_flat_state(state):
+        v = var.get_value()
+        names = tuple(var.get_metadata().get("out_sharding") or (None,) * len(v.shape))
+        out.append(Leaf("/".join(map(str, path)), tuple(v.shape), v.dtype.itemsize, names,
+                        isinstance(var, nnx.Param)))
+    return tuple(out)
+
+
+@functools.cache
+def _rule(name: str | None) -> tuple[str, ...]:
+    """Mesh axes a logical axis name maps to under LOGICAL_RULES (first match wins)."""
+    from r1jax.parallel.mesh import LOGICAL_RULES
+    for key, axes in LOGICAL_RULES:
+        if key == name:
+            return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    return ()
+
+
+def shard_shape(shape: tuple[int, ...], names: tuple[str | None, ...], mesh: dict[str, int]) -> tuple[int, ...]:
+    """One device's shard of an array with logical `names` on `mesh` (GSPMD pads uneven shards)."""
+    return _shard_shape(tuple(shape), tuple(names), _key(mesh))
+
+
+@functools.lru_cache(maxsize=65536)
+def _shard_shape(shape, names, mesh_items) -> tuple[int, ...]:
+    mesh = dict(mesh_items)
+    used: set[str] = set()
+    out = []
+    for dim, name in zip(shape, names):
+        axes = [a for a in _rule(name) if a not in used and mesh.get(a, 1) > 1]
+        used.update(axes)
+        out.append(-(-dim // math.prod(mesh[a] for a in axes)))
+    return tuple(out)
+
+
+def _layout(cfg: Config, mesh: dict[str, int]):
+    from r1jax.parallel.pipeline import layout_for
+    return layout_for(cfg, mesh["pipeline"]) if mesh["pipeline"] > 1 else None
+
+
+def _key(mesh: dict[str, int]) -> tuple:
+    return tuple(sorted((a, v) for a, v in mesh.items() if v > 1))
+
+
+def state_bytes(cfg: Config, mesh: dict[str, int]) -> dict[str, Any]:
+    """Per-device bytes of the parameters, router biases and AdamW state, by part of the model."""
+    out = _state_bytes(cfg.model, _layout(cfg, mesh), _key(mesh))
+    return {**out, "by_part": dict(out["by_part"])}
+
+
+@functools.lru_cache(maxsize=4096)
+def _state_bytes(model: configlib.ModelConfig, layout, mesh_key: tuple) -> dict[str, Any]:
+    mesh = dict(mesh_key)
+    parts: dict[str, int] = {}
+    out = {"params": 0, "router_bias": 0, "largest_leaf": 0, "params_global": 0, "by_part": parts}
+    for leaf in leaves(model):
+        shape = leaf.shape
+        if leaf.path.startswith("moe_layers/") and layout is not None:
+            shape = (layout.slots, *shape[1:])
+        n = math.prod(shard_shape(shape, leaf.names, mesh)) * leaf.itemsize
+        if leaf.trainable:
+            out["params"] += n
+            out["params_global"] += math.prod(leaf.shape) * leaf.itemsize
+            out["largest_leaf"] = max(out["largest_leaf"], n)
+            part = leaf.path.split("/")[0]
+            parts[part] = parts.get(part, 0) + n
+        else:
+            out["router_bias"] += n
+    out["grads"] = out["params"]                 # fp32, constrained to the parameters' shardings
+    out["opt"] = 2 * out["params"] + 2 * 4       # AdamW mu + nu; optax's counts (int32 scalars)
+    return out
+
+
+# ---------------------------------------------------------------------------------- activations
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """Per-device sizes the activation model needs (rows = batch rows on this device)."""
+    rows_accum: int        # rows of one grad_accum microbatch (prologue, epilogue, loss)
+    rows_stage: int        # rows of one pipeline microbatch (= rows_accum without a pipeline)
+    seq: int
+    dt: int                # compute dtype bytes
+    heads: int             # N / tensor
+    vocab: int             # V / tensor (act_vocab)
+    mlp: int               # intermediate_size / tensor
+    moe_mlp: int           # moe_intermediate_size / tensor
+    shared_mlp: int        # moe_intermediate_size * n_shared_experts / tensor
+    batch_shards: int      # data x fsdp x expert
+    fsdp: int
+    expert: int
+    dispatch: str          # dropless | ragged | capacity (auto resolved for the backend)
+
+
+def geometry(cfg: Config, mesh: dict[str, int], backend: str = "gpu") -> Geometry:
+    m, t = cfg.model, cfg.train
+    tp = mesh["tensor"]
+    shards = mesh["data"] * mesh["fsdp"] * mesh["expert"]
+    rows_accum = t.global_batch_size // t.grad_accum // shards
+    rows_stage = rows_accum // t.microbatches if mesh["pipeline"] > 1 else rows_accum
+    kind = m.moe_dispatch.value
+    if kind == MoEDispatch.auto.value:
+        kind = "dropless" if backend == "cpu" else "ragged"
+    c = lambda n: -(-n // tp)
+    return Geometry(rows_accum, max(rows_stage, 1), cfg.data.seq_len, DTYPE_BYTES[t.dtype], c(m.num_attention_heads),
+                    c(m.vocab_size), c(m.intermediate_size), c(m.moe_intermediate_size),
+                    c(m.moe_intermediate_size * m.n_shared_experts), shards, mesh["fsdp"], mesh["expert"], kind)
+
+
+def _routed_rows(m: configlib.ModelConfig, g: Geometry, rows: int, local_sort: bool) -> tuple[int, int, int]:
+    """(buffer rows, their hidden width, token-expert pairs) of one MoE layer's routed dispatch.
+
+    Without expert parallelism the sort runs over the whole (pipeline) microbatch, replicated on
+    every batch shard (XLA gathers the tokens), and the buffers' hidden dimension inherits the
+    weights' fsdp sharding; with it, each device gathers the tokens of its expert group
+    (r1jax/parallel/expert.py) and holds E/expert experts. `local_sort`: the batch axes are
+    manual (1F1B), so only this device's tokens."""
+    k, E = m.num_experts_per_tok, m.n_routed_experts
+    if g.expert > 1 and g.dispatch == "capacity":    # all_to_all: C slots per expert from each source
+        cap = max(1, math.ceil(m.capacity_factor * rows * g.seq * k / E))
+        return (E // g.expert) * g.expert * cap, m.hidden_size, rows * g.seq * k
+    if g.expert > 1:
+        tokens, experts, width = rows * g.seq * g.expert, E // g.expert, m.hidden_size
+    elif local_sort:
+        tokens, experts, width = rows * g.seq, E, m.hidden_size
+    else:
+        tokens, experts, width = rows * g.seq * g.batch_shards, E, -(-m.hidden_size // g.fsdp)
+    pairs = tokens * k
+    if g.dispatch == "capacity":
+        n = experts * max(1, math.ceil(m.capacity_factor * tokens * k / E))
+    elif g.dispatch == "dropless" or g.expert > 1:   # expert parallelism runs the dropless tiles (expert.py)
+        tile = m.moe_tile_size
+        n = -(-(pairs + experts * (tile - 1)) // tile) * tile
+    else:                                              # ragged / loop: one row per pair
+        n = pairs
+    return n, width, pairs
+
+
+# Routed-expert buffers of one MoE layer, in units of (buffer rows x hidden width, buffer rows x
+# expert FFN width), as XLA's buffer assignment shows them for r1jax's dispatch kernels:
+# saved for the backward (no remat); the forward's transients inside a scan (which copies its
+# outputs into the stacked residuals) and outside one (the MTP block); a rematerialised backward.
+# `ragged` (the GPU path) could not be compiled here and reuses the dropless counts.
+ROUTED_BUFFERS = {
+    "dropless": {"saved": (1, 6), "forward_scanned": (3, 2), "forward": (3, 3), "backward": (4, 5),
+                 "backward_scanned": (3, 5)},
+    "capacity": {"saved": (1, 5), "forward_scanned": (3, 3), "forward": (2, 2), "backward": (3, 4),
+                 "backward_scanned": (3, 4)},
+}
+
+
+def _routed_kind(g: Geometry) -> str:
+    # expert parallelism runs the dropless tiles unless the dispatch is `capacity` (expert.py)
+    return "capacity" if g.dispatch == "capacity" else "dropless"
+
+
+def layer_inventory(m: configlib.ModelConfig, g: Geometry, moe: bool, rows: int, local_sort: bool = False
+                    ) -> dict[str, int]:
+    """Bytes of what one layer keeps for its backward without remat, by kind of tensor."""
+    t, dt, Nl = rows * g.seq, g.dt, g.heads
+    D, C, R, K, V = m.hidden_size, m.kv_lora_rank, m.qk_rope_head_dim, m.qk_nope_head_dim, m.v_head_dim
+    Q = m.q_lora_rank or 0
+    inv = {
+        # x, normed x (fp32 inside RMSNorm), attention output, h, normed h, the next block's input
+        "hidden": t * D * (4 * dt + 2 * F32) + (t * D * F32 if moe else 0),     # + the router's fp32 copy
+        "attn_latent": t * (3 * Q + (C + R) + 4 * C + R) * dt,                  # qa, q_norm, kv_a, c, k_rope
+        "attn_heads": t * Nl * ((K + R) + R + 2 * K + 2 * V) * dt,              # q, q_rope, q/k_nope, v, o
+        "attn_scores": 2 * rows * Nl * g.seq * g.seq * F32,                      # fp32 scores and probabilities
+    }
+    if moe:
+        n, width, _ = _routed_rows(m, g, rows, local_sort)
+        d_, f_ = ROUTED_BUFFERS[_routed_kind(g)]["saved"]
+        inv["routed"] = n * (d_ * width + f_ * g.moe_mlp) * dt     # tile inputs; gate, up, silu*up, copies
+        # each token's k expert outputs [t, k, D] before they are combined (the combine weights'
+        # gradient needs them): this device's tokens, or its expert group's with expert parallelism
+        gathered = g.expert if (g.expert > 1 and g.dispatch != "capacity") else 1
+        inv["routed_out"] = rows * g.seq * gathered * m.num_experts_per_tok * m.hidden_size * dt
+        inv["router"] = t * m.n_routed_experts * F32
+        inv["shared_mlp"] = 3 * t * g.shared_mlp * dt
+    else:
+        inv["mlp"] = 3 * t * g.mlp * dt
+    return inv
+
+
+def layer_saved(m: configlib.ModelConfig, g: Geometry, moe: bool, rows: int, remat: Remat, local_sort=False) -> int:
+    """Bytes one scanned layer keeps for its backward under `remat` (device memory)."""
+    t, dt = rows * g.seq, g.dt
+    carry = t * m.hidden_size * dt
+    if remat is Remat.none:
+        return sum(layer_inventory(m, g, moe, rows, local_sort).values())
+    if remat is Remat.full or remat is Remat.offload:      # offload parks attn_out on the host
+        return carry
+    if remat is Remat.save_attention:
+        return 2 * carry
+    # save_dots: outputs of matmuls without batch dimensions (projections, routed tiles), not attention
+    Q, C, R, K, V, D = (m.q_lora_rank or 0, m.kv_lora_rank, m.qk_rope_head_dim, m.qk_nope_head_dim,
+                        m.v_head_dim, m.hidden_size)
+    dots = t * (Q + C + R + D) * dt + t * g.heads * ((K + R) + (K + V)) * dt
+    if moe:
+        n, width, _ = _routed_rows(m, g, rows, local_sort)
+        dots += n * (width + 2 * g.moe_mlp) * dt + t * m.n_routed_experts * F32 + t * (2 * g.shared_mlp + D) * dt
+    else:
+        dots += t * (2 * g.mlp + D) * dt
+    return carry + dots
+
+
+def layer_working(m: configlib.ModelConfig, g: Geometry, moe: bool, rows: int, local_sort=False,
+                  scanned: bool = True) -> int:
+    """Transient bytes while one layer runs forward, beyond what it saves: the softmax's fp32
+    temporaries and the routed dispatch's gathers, while-loop carries and, inside a scan, the
+    copies of its outputs into the stacked residual buffers (an unscanned layer, the MTP block,
+    keeps its routed buffers as they are: they are counted here and not among its residuals)."""
+    t, dt = rows * g.seq, g.dt
+    w = 3 * rows * g.heads * g.seq * g.seq * F32 + 4 * t * m.hidden_size * dt
+    if moe:
+        w += _routed_working(m, g, rows, "forward_scanned" if scanned else "forward", local_sort)
+    else:
+        w += 2 * t * g.mlp * dt
+    return w
+
+
+def _routed_working(m: configlib.ModelConfig, g: Geometry, rows: int, phase: str, local_sort=False) -> int:
+    """The routed dispatch's transient buffers going forward (`ROUTED_BUFFERS[kind][phase]`); an
+    unscanned block also holds the zero-filled [pairs, D] scatter-add buffer of its backward."""
+    n, width, pairs = _routed_rows(m, g, rows, local_sort)
+    d_, f_ = ROUTED_BUFFERS[_routed_kind(g)][phase]
+    return (n * (d_ * width + f_ * g.moe_mlp) + (pairs * width if phase == "forward" else 0)) * g.dt
+
+
+def layer_backward(m: configlib.ModelConfig, g: Geometry, moe: bool, rows: int, local_sort=False,
+                   scanned: bool = True) -> int:
+    """Peak bytes of a rematerialised layer's backward: its recomputed forward tensors plus the
+    backward's own (gradients of the hidden states, the transposed operands of the weight
+    gradients, the routed dispatch's scatter-adds)."""
+    t, dt = rows * g.seq, g.dt
+    inv = layer_inventory(m, g, moe, rows, local_sort)
+    w = sum(v for k, v in inv.items() if k not in ("routed", "attn_scores"))
+    w += 4 * rows * g.heads * g.seq * g.seq * F32 + 16 * t * m.hidden_size * dt
+    if moe:
+        n, width, pairs = _routed_rows(m, g, rows, local_sort)
+        # the scatter-add buffers keep the tiles' fsdp-sharded width; the gathered expert outputs
+        # come back whole (all-reduced over fsdp)
+        d_, f_ = ROUTED_BUFFERS[_routed_kind(g)]["backward_scanned" if scanned else "backward"]
+        w += n * (d_ * width + f_ * g.moe_mlp) * dt + (1 if scanned else 2) * pairs * (width + m.hidden_size) * dt
+    else:
+        w += 2 * t * g.mlp * dt
+    return w
+
+
+def _layer_weights(cfg: Config, mesh: dict[str, int], prefix: str, stacked: bool = True) -> int:
+    """Elements one device holds of one layer's trainable weights under `prefix`."""
+    return _layer_weights_of(cfg.model, _key(mesh), prefix, stacked)
+
+
+@functools.lru_cache(maxsize=16384)
+def _layer_weights_of(model: configlib.ModelConfig, mesh_key: tuple, prefix: str, stacked: bool) -> int:
+    cut = 1 if stacked else 0
+    return sum(math.prod(_shard_shape(l.shape[cut:], l.names[cut:], mesh_key))
+               for l in leaves(model) if l.trainable and l.path.startswith(prefix))
+
+
+def _weights_gathered(cfg: Config, mesh: dict[str, int], prefix: str, layers: int, dt: int) -> int:
+    """One layer's weights all-gathered over fsdp in the compute dtype (and their fp32 gradient
+    before the reduce-scatter): the transient fsdp adds to a layer. 0 without fsdp."""
+    if mesh["fsdp"] == 1 or layers == 0:
+        return 0
+    return _layer_weights(cfg, dict(mesh, fsdp=1), prefix) * (dt + F32)
+
+
+def _epilogue(cfg: Config, g: Geometry, rows: int, w_gather: int, local_sort: bool = False) -> dict[str, int]:
+    """The final norm, head, MTP blocks and loss on `rows` rows: what they save and their peaks.
+    The MTP blocks are checkpointed like the stacks but not scanned: going forward, a block's
+    saved tensors appear as it runs (its routed buffers are counted in its working set); without
+    remat its backward consumes them as fast as it makes temporaries; with remat it recomputes
+    them and runs the backward's working set on top."""
+    m, remat, T = cfg.model, cfg.train.remat, g.seq
+    depth = m.num_nextn_predict_layers
+    x = rows * T * m.hidden_size * g.dt
+    logits = rows * T * g.vocab * F32
+    inv = sum(layer_inventory(m, g, True, rows, local_sort).values())
+    routed = layer_inventory(m, g, True, rows, local_sort)["routed"]
+    saved = layer_saved(m, g, True, rows, remat, local_sort)
+    out = {"saved": depth * (saved + 3 * x), "logits": logits, "all_logits": (1 + depth) * logits,
+           "fwd_saved": 0, "fwd_work": 0, "bwd_work": 0}
+    if depth:
+        out["fwd_saved"] = depth * 3 * x + (depth - 1) * saved + (inv - routed if remat is Remat.none else saved)
+        out["fwd_work"] = layer_working(m, g, True, rows, local_sort, scanned=False) + w_gather
+        if remat is not Remat.none:
+            out["bwd_work"] = layer_backward(m, g, True, rows, local_sort, scanned=False) + w_gather
+    return out
+
+
+def _phases(cfg: Config, mesh: dict[str, int], st: dict, g: Geometry) -> list[tuple[str, dict[str, int]]]:
+    """Live temporary bytes (not the state) at each point of the step, as named components:
+    activations saved for the backward, logits, the working set of what runs, gradients."""
+    m, t = cfg.model, cfg.train
+    remat, dt, T = t.remat, g.dt, g.seq
+    P = mesh["pipeline"]
+    n_dense, n_moe = m.first_k_dense_replace, m.num_moe_layers
+    ra, rs = g.rows_accum, g.rows_stage
+    parts = st["by_part"]
+    grads_all = st["grads"]
+    g_head = parts.get("lm_head_DV", 0) + parts.get("final_norm", 0) + parts.get("mtp", 0)
+    g_moe = parts.get("moe_layers", 0)
+    accum = grads_all if t.grad_accum > 1 else 0       # the scanned running sum of the gradients
+
+    def ph(name, act, lg, work, grads):
+        return name, {"activations": act, "logits": lg, "working": work, "gradients": accum + grads}
+
+    # bf16/fp16 without remat: each layer also keeps its weights cast to the compute dtype (the
+    # matmuls' backward needs them; nothing is recomputed). fp32 casts are no-ops.
+    cast = dt if (remat is Remat.none and dt < F32) else 0
+    x = ra * T * m.hidden_size * dt
+    r_dense = n_dense * (layer_saved(m, g, False, ra, remat) + cast * _layer_weights(cfg, mesh, "dense_layers")) + x
+    w_dense = layer_working(m, g, False, ra) + _weights_gathered(cfg, mesh, "dense_layers", n_dense, dt)
+    bwd_dense = (layer_backward(m, g, False, ra) - layer_working(m, g, False, ra)
+                 if (n_dense and remat is not Remat.none) else 0)
+    w_gather = _weights_gathered(cfg, mesh, "moe_layers", n_moe, dt)
+    opt = ph("optimizer", 0, 0, (2 if t.grad_accum == 1 else 1) * st["largest_leaf"], grads_all)
+    dense_phases = [ph("forward dense layers", r_dense, 0, w_dense, 0)]
+    dense_bwd = ph("backward dense layers", r_dense, 0, w_dense + bwd_dense, grads_all - parts.get("embed", 0))
+
+    if P > 1 and n_moe and cfg.pipeline.schedule is Schedule.onefoneb:
+        # 1F1B (pipeline.loss_and_grads_1f1b), batch axes manual: the routed sort and the epilogue
+        # see this device's rows of one pipeline microbatch. A device keeps at most k_in stage
+        # inputs and the activation/gradient rings, the input gradients of all M microbatches,
+        # and one set of running gradient sums (the branches' zero-filled outputs share them in
+        # XLA's buffers). The last stage's forward branch runs the stage and the epilogue's
+        # forward and backward; a backward branch recomputes its chunk of layers for one microbatch.
+        from r1jax.parallel.pipeline import schedule_1f1b
+        layout = _layout(cfg, mesh)
+        _, _, _, _, (k_act, k_in, k_grad) = schedule_1f1b(P, t.microbatches)
+        xs = rs * T * m.hidden_size * dt
+        carry = (k_act + k_in + k_grad + t.microbatches + 3) * xs + grads_all
+        ep = _epilogue(cfg, g, rs, w_gather, local_sort=True)
+        # the forward branch runs the stage plainly (its backward recomputes it) and, on the last
+        # stage, the epilogue's forward and backward (jax.vjp) on top of the stage's output
+        fwd_last = max(layer_working(m, g, True, rs, True) + w_gather,
+                       ep["saved"] + ep["all_logits"] + max(ep["bwd_work"], ep["fwd_work"]))
+        bwd = layout.chunk * sum(layer_inventory(m, g, True, rs, True).values()) + layer_working(m, g, True, rs, True)
+        return [*dense_phases, ph("1F1B ticks", r_dense + carry, 0, max(fwd_last, bwd), 0), dense_bwd, opt]
+
+    # the MoE stack: one scan (no pipeline), or GPipe/circular's scan over M*R+P-1 ticks, where
+    # autodiff keeps every tick's residuals of its chunk of layers (bubble ticks included) and the
+    # ticks' outputs
+    if n_moe == 0:
+        r_moe = w_moe = bwd_moe = 0
+    elif P == 1:
+        r_moe = n_moe * (layer_saved(m, g, True, ra, remat) + cast * _layer_weights(cfg, mesh, "moe_layers"))
+        w_moe = layer_working(m, g, True, ra) + w_gather
+        bwd_moe = (layer_backward(m, g, True, ra) - layer_working(m, g, True, ra) if remat is not Remat.none
+                   else 0)
+    else:
+        layout = _layout(cfg, mesh)
+        ticks = t.microbatches * layout.repeats + P - 1
+        xs = rs * T * m.hidden_size * dt
+        r_moe = (ticks * layout.chunk * (layer_saved(m, g, True, rs, remat) + cast * _layer_weights(cfg, mesh, "moe_layers"))
+                 + (ticks + 2 * t.microbatches) * xs)
+        w_moe = layer_working(m, g, True, rs) + w_gather
+        bwd_moe = layer_backward(m, g, True, rs) - layer_working(m, g, True, rs) if remat is not Remat.none else 0
+
+    ep = _epilogue(cfg, g, ra, w_gather)
+    if cast and m.num_nextn_predict_layers:
+        ep["saved"] += m.num_nextn_predict_layers * cast * _layer_weights(cfg, mesh, "mtp/0/", stacked=False)
+    before = r_dense + r_moe
+    # XLA materialises the MTP blocks' zero-filled dispatch buffers early: they are live while the
+    # MoE stack runs forward (seen in XLA:CPU's buffer assignment, absent without MTP; assumed
+    # on GPU too)
+    early = m.num_nextn_predict_layers * _routed_working(m, g, ra, "forward") if n_moe else 0
+    return [
+        *dense_phases,
+        ph("forward MoE layers", before, 0, w_moe + early, 0),
+        ph("forward MTP", before + ep["fwd_saved"], ep["logits"], ep["fwd_work"], 0),
+        ph("loss", before + ep["saved"], ep["all_logits"], 2 * ep["logits"], 0),
+        ph("backward MTP and head", before + ep["saved"], ep["logits"], ep["bwd_work"], g_head),
+        ph("backward MoE layers", before, 0, w_moe + bwd_moe, g_head + g_moe),
+        dense_bwd,
+        opt,
+    ]
+
+
+def activation_peak(cfg: Config, mesh: dict[str, int], st: dict, g: Geometry) -> dict[str, Any]:
+    phases = _phases(cfg, mesh, st, g)
+    name, comp = max(phases, key=lambda p: sum(p[1].values()))
+    live = sum(comp.values())
+    return {"phase": name, **comp, "live": live, "packing": int(live * (PACKING - 1)),
+            "temp": int(live * PACKING), "phases": {n: sum(c.values()) for n, c in phases}}
+
+
+# ------------------------------------------------------------------------------------------ plan
+def _mesh_config(mesh: dict[str, int]) -> MeshConfig:
+    return MeshConfig(**{a: mesh.get(a, 1) for a in AXES})
+
+
+def refusal(cfg: Config, mesh: dict[str, int]) -> tuple[str | None, str | None]:
+    """(error, refusal): `error` when the mesh breaks one of config.validate's rules other than
+    the ones r1jax may lift later; `refusal` when only those apply (expert parallelism inside
+    pipeline stages; 1F1B with fsdp/tensor/expert), so the planner still computes the layout."""
+    trial = dataclasses.replace(cfg, mesh=_mesh_config(mesh))
+    try:
+        configlib.validate(trial)
+        return None, None
+    except ConfigError as e:
+        first = str(e)
+    if mesh["pipeline"] > 1 and (mesh["expert"] > 1 or mesh["fsdp"] > 1 or mesh["tensor"] > 1):
+        # same batch shards, the pipeline-only rules lifted: is the EP+PP / 1F1B rule all that fails?
+        lifted = dataclasses.replace(trial, mesh=_mesh_config({**mesh, "pipeline": 1}))
+        pp_only = dataclasses.replace(trial, mesh=_mesh_config(
+            {**mesh, "expert": 1, "fsdp": 1, "tensor": 1, "data": mesh["data"] * mesh["expert"] * mesh["fsdp"]}))
+        try:
+            configlib.validate(lifted)
+            configlib.validate(pp_only)
+        except ConfigError:
+            return first, None
+        if (cfg.pipeline.schedule is Schedule.onefoneb and "1f1b" not in first
+                and any(mesh[a] > 1 for a in ("fsdp", "tensor", "expert"))):
+            first += "; and pipeline.schedule=1f1b runs with mesh.data x mesh.pipeline only"
+        return None, first
+    return first, None
+
+
+def plan(cfg: Config, mesh_shape: dict[str, int], hardware: str, nodes: int = 1, *, backend: str = "gpu",
+         search: bool = True) -> dict[str, Any]:
+    """Per-device memory of `cfg`'s train step on `mesh_shape` ({axis: size}, omitted = 1) of
+    `nodes` x 8 `hardware` GPUs, FITS or not, the smallest fitting mesh (`search`), the KV cache
+    and the rules of thumb. Raises ConfigError for an unknown axis or hardware, a mesh whose
+    product is not nodes x 8 (unless `backend='cpu'`), or a mesh the config's rules refuse."""
+    if hardware not in HARDWARE_MIB:
+        raise ConfigError(f"--hardware {hardware}: unknown; allowed: {', '.join(HARDWARE_MIB)}")
+    unknown = sorted(set(mesh_shape) - set(AXES))
+    if unknown:
+        raise ConfigError(f"--mesh: unknown axis '{unknown[0]}'; allowed: {', '.join(AXES)}")
+    mesh = {a: int(mesh_shape.get(a, 1)) for a in AXES}
+    bad = [a for a, v in mesh.items() if v < 1]
+    if bad:
+        raise ConfigError(f"--mesh {bad[0]}={mesh[bad[0]]}: must be a positive integer")
+    devices = math.prod(mesh.values())
+    if backend != "cpu" and devices != nodes * GPUS_PER_NODE:
+        raise ConfigError(f"--mesh: {' x '.join(f'{a} {v}' for a, v in mesh.items() if v > 1) or 'data 1'} = "
+                          f"{devices} devices, but --nodes {nodes} x {GPUS_PER_NODE} GPUs = {nodes * GPUS_PER_NODE}")
+    error, refused = refusal(cfg, mesh)
+    if error:
+        raise ConfigError(error)
+    out = evaluate(cfg, mesh, hardware, backend)
+    out.update(nodes=nodes, devices=devices, refused=refused, kv_cache=kv_cache(cfg.model),
+               rules_of_thumb=rules_of_thumb(cfg, devices, hardware))
+    if search:
+        out["proposal"] = smallest_fit(cfg, hardware)
+    return out
+
+
+def evaluate(cfg: Config, mesh: dict[str, int], hardware: str, backend: str = "gpu") -> dict[str, Any]:
+    """The per-device numbers of one mesh (no validation, no search)."""
+    st = state_bytes(cfg, mesh)
+    g = geometry(cfg, mesh, backend)
+    t = cfg.train
+    batch = 3 * (t.global_batch_size // g.batch_shards) * cfg.data.seq_len * 4    # ids, segment_ids, positions
+    small = 4 + 8 + 4 + 4                                                            # step, rng, loss scale
+    arg = st["params"] + st["opt"] + st["router_bias"] + small + batch
+    act = activation_peak(cfg, mesh, st, g)
+    capacity = HARDWARE_MIB[hardware] * 2**20
+    usable = int(capacity * (1 - RESERVE))
+    total = arg + act["temp"]
+    return {"mesh": mesh, "hardware": hardware, "backend": backend, "dispatch": g.dispatch,
+            "rows_per_device": g.rows_accum, "rows_per_stage_microbatch": g.rows_stage,
+            "params": st["params"], "grads": st["grads"], "opt": st["opt"], "router_bias": st["router_bias"],
+            "params_by_part": st["by_part"], "batch_and_scalars": batch + small, "argument": arg,
+            "activations": act, "temp": act["temp"], "total": total,
+            "device_bytes": capacity, "usable_bytes": usable, "fits": total <= usable,
+            "params_global": st["params_global"]}
+
+
+def kv_cache(m: configlib.ModelConfig, bytes_per: int = 2) -> dict[str, int]:
+    """MLA's latent cache: the normalised latent c [C] and the shared rope key [R], per layer."""
+    per_token = (m.kv_lora_rank + m.qk_rope_head_dim) * m.num_hidden_layers * bytes_per
+    return {"per_token": per_token, "max_positions": m.max_position_embeddings,
+            "per_sequence": per_token * m.max_position_embeddings}
+
+
+def rules_of_thumb(cfg: Config, devices: int, hardware: str) -> dict[str, Any]:
+    """'GPU memory >= 1.5 x parameters', read as: all GPUs' memory together against 1.5 x the
+    parameters in bf16 (2 bytes each); 'host memory = 2 x GPU memory', per node."""
+    n = sum(math.prod(l.shape) for l in leaves(cfg.model) if l.trainable)
+    gpu = devices * HARDWARE_MIB[hardware] * 2**20
+    need = int(1.5 * 2 * n)
+    return {"parameters": n, "gpu_memory_total": gpu, "one_and_half_bf16_params": need, "gpu_rule_ok": gpu >= need,
+            "host_memory_per_node": 2 * GPUS_PER_NODE * HARDWARE_MIB[hardware] * 2**20}
+
+
+def _pow2(n: int) -> list[int]:
+    return [2**i for i in range(int(math.log2(n)) + 1)] if n >= 1 else []
+
+
+def candidate_meshes(devices: int):
+    """Every assignment of power-of-two sizes to the five axes with product `devices`."""
+    k = int(math.log2(devices))
+    for split in itertools.product(range(k + 1), repeat=4):
+        if sum(split) <= k:
+            yield dict(zip(AXES, [2**s for s in split] + [2**(k - sum(split))]))
+
+
+def smallest_fit(cfg: Config, hardware: str, max_nodes: int = 4096) -> dict[str, Any] | None:
+    """The fewest whole nodes (a power of two) with a power-of-two mesh that fits, keeping the
+    config's batch, remat and schedule. Among the fitting meshes of that size: one r1jax runs
+    today first, then the least memory. When only refused layouts fit there, the search goes on
+    to the smallest mesh r1jax runs today (`smallest_runnable`)."""
+    usable = HARDWARE_MIB[hardware] * 2**20 * (1 - RESERVE)
+    # the fp32 masters and AdamW moments (12 B a parameter) cannot be split over more than all devices
+    n_params = sum(math.prod(l.shape) for l in leaves(cfg.model) if l.trainable)
+    nodes = 2 ** max(0, math.ceil(math.log2(max(1.0, 12 * n_params / usable / GPUS_PER_NODE))))
+    best_any = best_ok = None
+    while nodes <= max_nodes and best_ok is None:
+        fits = []
+        for mesh in candidate_meshes(nodes * GPUS_PER_NODE):
+            error, refused = refusal(cfg, mesh)
+            if error:
+                continue
+            st = state_bytes(cfg, mesh)
+            if st["params"] + st["opt"] > usable:          # the state alone is too big: skip the rest
+                continue
+            r = evaluate(cfg, mesh, hardware)
+            if r["fits"]:
+                fits.append((refused is not None, r["total"], mesh, refused))
+        if fits:
+            fits.sort(key=lambda f: (f[0], f[1]))
+            pick = {"nodes": nodes, "mesh": fits[0][2], "refused": fits[0][3], "total": fits[0][1],
+                    "usable_bytes": int(usable)}
+            best_any = best_any or pick
+            if not fits[0][0]:
+                best_ok = pick
+        nodes *= 2
+    if best_any is None:
+        return None
+    return {"smallest": best_any, "smallest_runnable": best_ok}
+
+
+# ------------------------------------------------------------------------------------- printing
+def _gib(n: float) -> str:
+    return f"{n / GiB:,.2f} GiB"
+
+
+def _mesh_str(mesh: dict[str, int]) -> str:
+    return " x ".join(f"{a} {v}" for a, v in mesh.items() if v > 1) or "1 device"
+
+
+def report(cfg: Config, r: dict[str, Any]) -> str:
+    m, t = cfg.model, cfg.train
+    a = r["activations"]
+    lines = [(f"r1jax capacity plan: {r['devices']} x {r['hardware']} ({r['nodes']} node(s) x {GPUS_PER_NODE} GPUs), "
+              f"mesh {_mesh_str(r['mesh'])}"),
+             f"train: global batch {t.global_batch_size} x seq {cfg.data.seq_len}, grad_accum {t.grad_accum}, "
+             f"dtype {t.dtype.value}, remat {t.remat.value}, MoE dispatch {r['dispatch']}"
+             + (f", pipeline {cfg.pipeline.schedule.value} M={t.microbatches}" if r["mesh"]["pipeline"] > 1 else "")
+             + f"; {r['rows_per_device']} row(s) per device per microbatch"]
+    if r.get("refused"):
+        lines.append(f"NOTE: r1jax refuses this mesh today ({r['refused']}); the numbers are what it would hold")
+    rows = [("state (the step's donated arguments)", None),
+            ("  parameters (fp32 masters)", r["params"]),
+            ("  optimizer state (AdamW mu+nu, fp32)", r["opt"]),
+            ("  router biases", r["router_bias"]),
+            ("  batch rows + step scalars", r["batch_and_scalars"]),
+            ("  = state", r["argument"]),
+            (f"temporaries at the peak ({a['phase']})", None),
+            ("  gradients (fp32" + (", running sum + microbatch)" if t.grad_accum > 1 else ")"), a["gradients"]),
+            ("  activations saved for backward", a["activations"]),
+            ("  logits + their gradient (fp32)", a["logits"]),
+            ("  transient working set", a["working"]),
+            (f"  XLA heap packing (x{PACKING} of the live bytes)", a["packing"]),
+            ("  = temporaries", r["temp"]),
+            ("TOTAL per device", r["total"]),
+            (f"usable ({1 - RESERVE:.0%} of {_gib(r['device_bytes'])})", r["usable_bytes"])]
+    w = max(len(n) for n, _ in rows) + 2
+    lines.append(f"{'per device':<{w}}{'memory':>14}")
+    lines += [f"{name:<{w}}{'' if v is None else _gib(v):>14}" for name, v in rows]
+    verdict = "FITS" if r["fits"] else "DOES NOT FIT"
+    lines.append(f"{verdict}: {_gib(r['total'])} of {_gib(r['usable_bytes'])} usable "
+                 f"({r['total'] / r['usable_bytes']:.0%})")
+    lines.append("live temporaries by phase: " + ", ".join(f"{k} {_gib(v)}" for k, v in a["phases"].items()))
+    parts = ", ".join(f"{k} {_gib(v)}" for k, v in sorted(r["params_by_part"].items(), key=lambda kv: -kv[1]))
+    lines.append(f"parameters by part (per device): {parts}")
+    kv = r["kv_cache"]
+    lines.append(f"inference KV cache (MLA latent, bf16): {kv['per_token'] / 2**10:,.1f} KiB per token "
+                 f"(({m.kv_lora_rank} + {m.qk_rope_head_dim}) x {m.num_hidden_layers} layers x 2 B), "
+                 f"{_gib(kv['per_sequence'])} per sequence of {kv['max_positions']:,} tokens")
+    th = r["rules_of_thumb"]
+    lines.append(f"rule of thumb 'GPU memory >= 1.5 x parameters' (all GPUs together vs 1.5 x the weights in bf16): "
+                 f"{_gib(th['gpu_memory_total'])} vs {_gib(th['one_and_half_bf16_params'])} "
+                 f"({th['parameters'] / 1e9:,.1f} B parameters): {'holds' if th['gpu_rule_ok'] else 'fails'}; "
+                 f"r1jax's training state alone is 12 B/parameter (+4 B of gradients) = "
+                 f"{_gib(16 * th['parameters'])} over all GPUs")
+    lines.append(f"rule of thumb 'host memory = 2 x GPU memory': {_gib(th['host_memory_per_node'])} of host RAM "
+                 f"per node of {GPUS_PER_NODE} GPUs")
+    if "proposal" in r:
+        p = r["proposal"]
+        if p is None:
+            lines.append("smallest mesh that fits: none up to 4096 nodes (reduce the per-device batch: "
+                         "train.grad_accum, or train.remat)")
+        else:
+            s = p["smallest"]
+            lines.append(f"smallest mesh that fits (powers of two, this config's batch and remat): {s['nodes']} "
+                         f"node(s) = {s['nodes'] * GPUS_PER_NODE} GPUs, {_mesh_str(s['mesh'])}: "
+                         f"{_gib(s['total'])} per device")
+            if s["refused"]:
+                lines.append(f"  r1jax refuses that mesh today: {s['refused']}")
+                o = p["smallest_runnable"]
+                if o:
+                    lines.append(f"smallest mesh r1jax runs today: {o['nodes']} node(s) = "
+                                 f"{o['nodes'] * GPUS_PER_NODE} GPUs, {_mesh_str(o['mesh'])}: "
+                                 f"{_gib(o['total'])} per device")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------- compiler cross-check
+def measure(cfg: Config, mesh_shape: dict[str, int]) -> dict[str, int]:
+    """`compiled.memory_analysis()` of the real train step (r1jax.train.step.make_train_step) on
+    the first prod(mesh) local devices, lowered from abstract state (nothing allocated)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from r1jax import model as modellib
+    from r1jax.parallel import mesh as meshlib
+    from r1jax.parallel import pipeline
+    from r1jax.train import optim
+    from r1jax.train.step import _shardings, batch_sharding, make_train_step, split_model
+
+    mesh_cfg = _mesh_config(mesh_shape)
+    cfg = dataclasses.replace(cfg, mesh=mesh_cfg)
+    n = math.prod(mesh_shape.get(a, 1) for a in AXES)
+    mesh = meshlib.make_mesh(mesh_cfg, jax.devices()[:n])
+    layout = pipeline.mesh_layout(cfg, mesh)
+    t = cfg.train
+    graphdef, abs_state = modellib.abstract(cfg.model, mesh, modellib.COMPUTE_DTYPES[t.dtype], t.remat, layout)
+    with meshlib.activate(mesh):
+        graphdef, params, rest = split_model(nnx.merge(graphdef, abs_state))
+    tx = optim.make(cfg.optim, t.steps)
+    sds = jax.ShapeDtypeStruct
+    small = {"step": sds((), jnp.int32), "rng": sds((2,), jnp.uint32),
+             "loss_scale": {"scale": sds((), jnp.float32), "good_steps": sds((), jnp.int32)}}
+    tree = {"params": params, "rest": rest, "opt": jax.eval_shape(tx.init, params), **small}
+    shardings = _shardings(tree, mesh)
+    state = jax.tree.map(lambda a, s: sds(a.shape, a.dtype, sharding=s), tree, shardings)
+    step = make_train_step(graphdef, tx, cfg, mesh, shardings, optim.schedule(cfg.optim, t.steps))
+    bs = batch_sharding(mesh)
+    batch = {k: sds((t.global_batch_size, cfg.data.seq_len), jnp.int32, sharding=bs)
+             for k in ("ids", "segment_ids", "positions")}
+    # LLVM's optimisation level changes code, not buffers: level 0 compiles ~2x faster on CPU
+    options = {"xla_backend_optimization_level": 0} if jax.default_backend() == "cpu" else {}
+    ma = step.lower(state, batch).compile(options).memory_analysis()
+    return {"argument": int(ma.argument_size_in_bytes), "temp": int(ma.temp_size_in_bytes),
+            "output": int(ma.output_size_in_bytes), "alias": int(ma.alias_size_in_bytes)}
+
+
+def compare(cfg: Config, mesh_shape: dict[str, int]) -> dict[str, Any]:
+    """Prediction (backend 'cpu': the dispatch XLA:CPU runs) against memory_analysis: argument,
+    temp and total = argument + temp + output - alias (the donated state is its own output)."""
+    mesh = {a: int(mesh_shape.get(a, 1)) for a in AXES}
+    pred = evaluate(cfg, mesh, "h100-80gb", backend="cpu")
+    xla = measure(cfg, mesh)
+    xla_total = xla["argument"] + xla["temp"] + xla["output"] - xla["alias"]
+    rows = {"argument": (pred["argument"], xla["argument"]), "temp": (pred["temp"], xla["temp"]),
+            "total": (pred["total"], xla_total)}
+    return {"mesh": mesh, "xla": xla, "predicted": pred, "dtype": cfg.train.dtype.value,
+            "rows": {k: {"predicted": p, "xla": x, "rel_error": (p - x) / x} for k, (p, x) in rows.items()}}
+
+
+def check_report(c: dict[str, Any]) -> str:
+    lines = [(f"check against XLA (memory_analysis of the real train step on {math.prod(c['mesh'].values())} "
+              f"fake CPU devices, mesh {_mesh_str(c['mesh'])}):"),
+             f"{'':<10}{'predicted':>14}{'XLA':>14}{'rel error':>11}"]
+    for k, v in c["rows"].items():
+        lines.append(f"{k:<10}{v['predicted'] / 2**20:>11,.2f} MiB{v['xla'] / 2**20:>10,.2f} MiB{v['rel_error']:>+10.1%}")
+    if c["predicted"]["backend"] == "cpu" and c.get("dtype") in ("bf16", "fp16"):
+        lines.append("note: XLA:CPU keeps much of a bf16/fp16 step in fp32, so this comparison under-states XLA's "
+                     "temp; the 2-byte model is meant for GPUs and is not validated here")
+    a = c["predicted"]["activations"]
+    lines.append("predicted temp by component: " + ", ".join(
+        f"{k} {a[k] / 2**20:,.2f} MiB" for k in ("gradients", "activations", "logits", "working", "packing"))
+        + f" (peak: {a['phase']})")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------ CLI
+def parse_mesh(text: str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        name, eq, value = item.partition("=")
+        if not eq or not value.strip().lstrip("-").isdigit():
+            raise ConfigError(f"--mesh {text}: expected axis=size[,axis=size...], e.g. data=8,tensor=8")
+        if name.strip() not in AXES:
+            raise ConfigError(f"--mesh: unknown axis '{name.strip()}'; allowed: {', '.join(AXES)}")
+        out[name.strip()] = int(value)
+    return out
+
+
+def load_for_mesh(path: str, overrides: list[str], mesh: dict[str, int]) -> Config:
+    """The config with its mesh replaced by `mesh`. A mesh that config.validate refuses only for a
+    rule r1jax may lift (expert parallelism inside pipeline stages, 1F1B with sharded stages) is
+    kept, so that it can be planned; any other refusal is raised."""
+    try:
+        return configlib.load(path, [*overrides, *(f"mesh.{a}={mesh[a]}" for a in AXES)])
+    except ConfigError as e:
+        error = e
+    try:
+        base = configlib.load(path, overrides)
+    except ConfigError:
+        raise error from None
+    err, refused = refusal(base, mesh)
+    if err or not refused:
+        raise error
+    return dataclasses.replace(base, mesh=_mesh_config(mesh))
+
+
+def _jsonable(r: Any) -> Any:
+    return json.loads(json.dumps(r, default=lambda o: o.value if hasattr(o, "value") else str(o)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m r1jax.plan", description=__doc__.splitlines()[0],
+                                 epilog="Omitted mesh axes are 1; the mesh product must equal nodes x 8.")
+    ap.add_argument("--config", required=True, help="YAML config (see configs/)")
+    ap.add_argument("--mesh", required=True, help="axis=size,... over data, fsdp, tensor, expert, pipeline")
+    ap.add_argument("--hardware", required=True, help=f"one of {', '.join(HARDWARE_MIB)}")
+    ap.add_argument("--nodes", type=int, default=1, help=f"nodes of {GPUS_PER_NODE} GPUs (default 1)")
+    ap.add_argument("--json", default=None, help="also write the numbers to this JSON file")
+    ap.add_argument("--check", action="store_true",
+                    help="compile the real train step on fake CPU devices and compare (mesh of <= 8 devices)")
+    ap.add_argument("--no-search", action="store_true", help="skip the smallest-fitting-mesh search")
+    ap.add_argument("overrides", nargs="*", help="section.key=value config overrides")
+    args = ap.parse_args(argv)
+    try:
+        mesh = parse_mesh(args.mesh)
+        if args.nodes < 1:
+            raise ConfigError(f"--nodes {args.nodes}: must be a positive integer")
+        full = {a: mesh.get(a, 1) for a in AXES}
+        devices = math.prod(full.values())
+        if devices != args.nodes * GPUS_PER_NODE:
+            raise ConfigError(f"--mesh: {_mesh_str(full)} = {devices} devices, but --nodes {args.nodes} x "
+                              f"{GPUS_PER_NODE} GPUs = {args.nodes * GPUS_PER_NODE}")
+        cfg = load_for_mesh(args.config, args.overrides, full)
+        r = plan(cfg, full, args.hardware, args.nodes, search=not args.no_search)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    print(report(cfg, r))
+    out = {"config": args.config, "overrides": args.overrides, **r}
+    if args.check:
+        n = math.prod(r["mesh"].values())
+        if n > 8:
+            print(f"--check: the mesh has {n} devices; the check compiles on at most 8 fake CPU devices")
+        else:
+            c = compare(cfg, r["mesh"])
+            print(check_report(c))
+            out["check"] = {k: v for k, v in c.items() if k != "predicted"}
+    if args.json:
+        Path(args.json).write_text(json.dumps(_jsonable(out), indent=2) + "\n")
+    return 0
+
+
+def _cpu_devices_for_check(argv: list[str]) -> None:
+    """--check compiles on fake CPU devices: ask for 8 before JAX starts its backend."""
+    if "--check" in argv:
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
+        import jax
+        jax.config.update("jax_num_cpu_devices", int(os.environ["JAX_NUM_CPU_DEVICES"]))
+
+
+if __name__ == "__main__":
+    _cpu_devices_for_check(sys.argv[1:])
+    sys.exit(main())
