@@ -1,0 +1,77 @@
+"""Sanity of the benchmark scripts' measuring functions and of RESULTS.md assembly (no timings asserted).
+
+The model is tiny.yaml cut to two dense layers without MTP, compiled at XLA backend optimisation
+level 0: the functions' plumbing is what is tested, and that keeps four compiles near a minute.
+"""
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load(name: str):
+    """bench/NAME.py as module bench_NAME (bench/ is not a package)."""
+    key = f"bench_{name}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, ROOT / "bench" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[key] = module
+        spec.loader.exec_module(module)
+    return sys.modules[key]
+
+
+accum, compile_time, results = (_load(n) for n in ("accum", "compile_time", "results"))
+
+TINY = ROOT / "configs" / "tiny.yaml"
+FAST = {"xla_backend_optimization_level": 0}
+
+
+def dense(layers: int) -> list[str]:
+    return ["model.num_nextn_predict_layers=0", f"model.num_hidden_layers={layers}",
+            f"model.first_k_dense_replace={layers}"]
+
+
+def test_accum_temp_shrinks_with_microbatch():
+    rows = accum.measure(TINY, dense(2), accums=(1, 4), compiler_options=FAST)
+    by = {r["grad_accum"]: r for r in rows}
+    assert by[1]["temp_bytes"] > 0 and by[4]["temp_bytes"] > 0
+    assert by[4]["temp_bytes"] < by[1]["temp_bytes"]
+    assert by[4]["argument_bytes"] == by[1]["argument_bytes"]      # the state and batch do not change
+    assert by[4]["microbatch_rows"] * 4 == by[1]["microbatch_rows"]
+
+
+@pytest.mark.parametrize("layers", [2, 4])
+def test_compile_time_measures(layers):
+    r = compile_time.measure(TINY, dense(layers), compiler_options=FAST)
+    assert r["layers"] == layers
+    for k in ("trace_s", "lower_s", "compile_s"):
+        assert r[k] > 0, k
+    assert r["stablehlo_lines"] > 0 and r["hlo_instructions"] > 0
+
+
+def test_results_reassembles_every_table(tmp_path):
+    repo_results = (ROOT / "bench" / "RESULTS.md").read_bytes()
+    bench = tmp_path / "bench"
+    shutil.copytree(ROOT / "bench" / "results", bench / "results")
+    (bench / "results" / "zz_extra.md").write_text("# An extra table\n\n| a |\n|---|\n| 1 |\n")
+    (bench / "results" / "bench_moe_small.md").write_text("# r1jax against torch, moe_small\n\ntext\n")
+    out = results.assemble(bench)
+    assert out == bench / "RESULTS.md"
+    text = out.read_text()
+    assert text.startswith(results.HEADER)
+    for md in sorted((bench / "results").glob("*.md")):
+        heading = md.read_text().splitlines()[0]
+        assert heading.startswith("# ")
+        assert "\n#" + heading in text, md.name                    # demoted to "## ..."
+    present = [n for n in results.ORDER if (bench / "results" / f"{n}.md").is_file()]
+    positions = [text.index("\n#" + (bench / "results" / f"{n}.md").read_text().splitlines()[0]) for n in present]
+    assert positions == sorted(positions)                          # ORDER first, in order
+    assert text.index("An extra table") > max(positions)
+    assert text.index("r1jax against torch") < positions[present.index("data_pipeline")]   # bench_* go with "bench"
+    assert (ROOT / "bench" / "RESULTS.md").read_bytes() == repo_results     # the repository's file is untouched
