@@ -48,7 +48,8 @@ def notes(result: dict) -> list[str]:
 
 
 def markdown(result: dict) -> str:
-    head = f"# Step benchmark: {result['config_name']}\n\n`{result['command']}` on {result['date']}.\n\n"
+    dtypes = ", ".join(r["dtype"] for r in result["runs"])
+    head = f"# Step benchmark: {result['config_name']} ({dtypes})\n\n`{result['command']}` on {result['date']}.\n\n"
     return head + table(result) + "\n\n" + " ".join(notes(result)) + f"\n\n![{result['config_name']}]({result['png_name']})\n"
 
 

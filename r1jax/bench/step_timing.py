@@ -6,7 +6,6 @@ whole step (forward, backward, AdamW) and nothing of the next one; warm-up steps
 and the median of the timed steps is reported."""
 from __future__ import annotations
 
-import resource
 import statistics
 import time
 from pathlib import Path
@@ -16,16 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from r1jax import model as modellib
+from r1jax.bench import peak_rss_bytes
 from r1jax.config import Config
 from r1jax.parallel import mesh as meshlib
 from r1jax.parallel import pipeline
 from r1jax.train import optim
 from r1jax.train.step import batch_sharding, init_state, make_train_step
-
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident set so far (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def learning_rates(cfg: Config, n: int) -> list[float]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import statistics
 import sys
 import time
@@ -36,7 +35,8 @@ def main(argv: list[str]) -> int:
                              {"params": no_decay, "weight_decay": 0.0}],
                             lr=spec["lrs"][0], betas=(o["b1"], o["b2"]), eps=o["eps"])
     autocast = spec["dtype"] == "bf16"
-    rss_loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    from r1jax.bench import peak_rss_bytes
+    rss_loaded = peak_rss_bytes()
 
     losses, times = [], []
     for i in range(len(tokens)):
@@ -63,7 +63,7 @@ def main(argv: list[str]) -> int:
         n += 1
     result = {"matmul_flops": 2 * 1024**3 * n / (time.perf_counter() - t0), "framework": "torch", "first_step_s": times[0], "step_s": timed,
               "step_s_median": statistics.median(timed), "step_s_min": min(timed), "losses": losses,
-              "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+              "peak_rss_bytes": peak_rss_bytes(),
               "rss_after_load_bytes": rss_loaded, "threads": torch.get_num_threads(),
               "attn_implementation": model.config._attn_implementation,
               "experts_implementation": getattr(model.config, "_experts_implementation", None),
