@@ -2,7 +2,7 @@
 
 Starts N processes of `python -m r1jax.train TRAIN ARGS` on this machine that form one JAX
 job (a coordinator on a free local port; see r1jax/parallel/distributed.py). Each output line is
-prefixed with its process number; gloo's connection chatter is dropped. SLURM_* variables are
+prefixed with its process number; gloo's connection chatter is dropped (see ChatterFilter). SLURM_* variables are
 removed from the children's environment, so a launch inside a SLURM allocation stays local.
 
 The launcher waits for all of them. The first to exit non-zero is reported in one line, the
@@ -22,7 +22,13 @@ import sys
 import threading
 import time
 
-GLOO_CHATTER = re.compile(r"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks")
+# Gloo prints "[Gloo] Rank R is connected to P peer ranks. Expected number of connected peer ranks
+# is : E" with std::cout, one `<<` at a time, from one thread per communicator. Threads share the
+# C stdio buffer, so concurrent connects interleave the pieces within and across lines (seen in
+# CI: "[Gloo] Rank 1[Gloo] Rank 1 is connected to ...", then a line that is just "1").
+GLOO_PIECE = re.compile(r"(?:\[Gloo\] Rank|is connected to|peer ranks\.|Expected number of connected peer "
+                        r"ranks is :)[ \d]*")
+DIGITS = re.compile(r"[\s\d]*")
 FORWARDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
@@ -42,10 +48,31 @@ def child_env(i: int, n: int, port: int, devices: int | None, base: dict[str, st
     return env
 
 
+class ChatterFilter:
+    """Drops gloo's connection chatter from a stream, line by line, however its pieces interleave.
+
+    A line made only of gloo's fixed pieces, rank numbers and spaces is dropped, and so is a line of
+    bare digits that follows one (a number whose text went to an earlier line). Pieces glued to a
+    real line are cut out of it and the rest is kept.
+    """
+
+    def __init__(self) -> None:
+        self.in_chatter = False
+
+    def __call__(self, line: str) -> str | None:
+        rest = GLOO_PIECE.sub("", line)
+        if DIGITS.fullmatch(rest) and (rest != line or self.in_chatter):
+            self.in_chatter = True
+            return None
+        self.in_chatter = False
+        return rest
+
+
 def _pump(stream, out, prefix: str) -> None:
+    keep = ChatterFilter()
     for raw in iter(stream.readline, b""):
-        line = raw.decode(errors="replace")
-        if not GLOO_CHATTER.match(line):
+        line = keep(raw.decode(errors="replace"))
+        if line is not None:
             out.write(prefix + line)
             out.flush()
     stream.close()

@@ -31,7 +31,7 @@ from r1jax import config as configlib
 from r1jax.data import tokenizer as toklib
 from r1jax.data.corpus import open_corpus
 from r1jax.data.pipeline import ShardsIterator, lm_batches
-from r1jax.launch import free_port
+from r1jax.launch import ChatterFilter, free_port
 from r1jax.train.checkpoint import ParamsReader
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -263,3 +263,19 @@ def test_two_process_checkpoint_resumes_on_one_process(two, tmp_path):
     assert firsts[0] == firsts[1]             # the same restarted stream: the same first batch
     assert sorted(p.name for p in (ckpt_dir / str(STEPS) / "data").glob("process_*")) == [
         "process_0-of-2.json", "process_1-of-2.json"]
+
+
+def test_launcher_drops_gloo_chatter_however_its_pieces_interleave():
+    """Lines as a CI run printed them: three communicators connecting at once in one process."""
+    keep = ChatterFilter()
+    seen = [keep(line) for line in (
+        "[Gloo] Rank 1[Gloo] Rank 1 is connected to 1 peer ranks. Expected number of connected peer ranks is : "
+        "[Gloo] Rank  is connected to 1 peer ranks. Expected number of connected peer ranks is : 1\n",
+        "1 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1\n",
+        "1\n",
+        "model: 0.3M parameters\n",
+        "[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1\n",
+        "[Gloo] Rank 0step 1/6 | loss 8.1250\n",      # a piece left in the buffer, then a real line
+        "12\n",                                       # bare digits after a real line are real
+        "\n")]
+    assert seen == [None, None, None, "model: 0.3M parameters\n", None, "step 1/6 | loss 8.1250\n", "12\n", "\n"]
