@@ -44,19 +44,14 @@ def measure(config: str | Path, overrides: Sequence[str] = (), accums: Sequence[
     import numpy as np
 
     from r1jax import config as configlib
-    from r1jax import model as modellib
     from r1jax.parallel.mesh import single_device_mesh
     from r1jax.train import optim
-    from r1jax.train.step import batch_sharding, init_state, make_train_step
+    from r1jax.train.step import batch_sharding, build, make_train_step
 
     base = [*overrides, "mesh.data=1"]
     cfg = configlib.load(config, base)
     t = cfg.train
-    mesh = single_device_mesh()
-    model = modellib.build(cfg.model, mesh, seed=t.seed, dtype=modellib.COMPUTE_DTYPES[t.dtype], remat=t.remat)
-    tx = optim.make(cfg.optim, t.steps)
-    graphdef, state, shardings = init_state(model, tx, mesh, cfg)
-    del model
+    mesh, graphdef, state, shardings, tx, _ = build(cfg, single_device_mesh())
     jax.block_until_ready(state)     # the asynchronous init would otherwise share the cores with compile
     param_bytes = sum(a.nbytes for a in jax.tree.leaves(state["params"]))
     B, T = t.global_batch_size, cfg.data.seq_len

@@ -46,23 +46,17 @@ def measure(config: str | Path, overrides: Sequence[str] = (), compiler_options:
     import jax.numpy as jnp
 
     from r1jax import config as configlib
-    from r1jax import model as modellib
     from r1jax.parallel import mesh as meshlib
-    from r1jax.train import optim
-    from r1jax.train.step import batch_sharding, init_state, make_train_step
+    from r1jax.train.step import batch_sharding, build
 
     t0 = time.perf_counter()
     cfg = configlib.load(config, [*overrides, "mesh.data=1"])
     t = cfg.train
     mesh = meshlib.single_device_mesh()
-    model = modellib.build(cfg.model, mesh, seed=t.seed, dtype=modellib.COMPUTE_DTYPES[t.dtype], remat=t.remat)
-    tx = optim.make(cfg.optim, t.steps)
-    graphdef, state, shardings = init_state(model, tx, mesh, cfg)
-    del model
+    _, _, state, _, _, step = build(cfg, mesh)
     # Initialisation is dispatched asynchronously: unless it has finished, its random draws run on
     # the same cores as the tracing and compiling timed below (at 32 layers, seconds of them).
     jax.block_until_ready(state)
-    step = make_train_step(graphdef, tx, cfg, mesh, shardings, optim.schedule(cfg.optim, t.steps))
     B, T = t.global_batch_size, cfg.data.seq_len
     batch = {k: jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=batch_sharding(mesh))
              for k in ("ids", "segment_ids", "positions")}

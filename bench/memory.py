@@ -91,11 +91,9 @@ def measure(overrides: list[str], config: str | Path = TINY, compile: bool = Tru
     from flax import nnx
 
     from r1jax import config as configlib
-    from r1jax import model as modellib
     from r1jax.parallel import mesh as meshlib
     from r1jax.parallel import pipeline
-    from r1jax.train import optim
-    from r1jax.train.step import batch_sharding, init_state, make_train_step
+    from r1jax.train.step import batch_sharding, build
 
     out: dict = {"config": _rel(config),
                  "overrides": list(overrides)}
@@ -111,11 +109,7 @@ def measure(overrides: list[str], config: str | Path = TINY, compile: bool = Tru
             out["pipeline"] = {"schedule": cfg.pipeline.schedule.value, "stages": P, "microbatches": t.microbatches,
                                "repeats": R, "bubble": pipeline.bubble(P, t.microbatches, R),
                                "moe_layers": cfg.model.num_moe_layers, "slots": layout.slots if layout is not None else None}
-        model = modellib.build(cfg.model, mesh, seed=t.seed, dtype=modellib.COMPUTE_DTYPES[t.dtype],
-                               remat=t.remat, layout=layout)
-        tx = optim.make(cfg.optim, t.steps)
-        graphdef, state, shardings = init_state(model, tx, mesh, cfg)
-        del model
+        _, _, state, _, _, step = build(cfg, mesh)
 
         held = {k: state[k] for k in ("params", "rest", "opt")}
         out["param_opt_bytes"] = sum(_shard_nbytes(a) for a in jax.tree.leaves(held))
@@ -128,7 +122,6 @@ def measure(overrides: list[str], config: str | Path = TINY, compile: bool = Tru
                          for p, v in variables for a in [v.get_value()]}
 
         if compile:
-            step = make_train_step(graphdef, tx, cfg, mesh, shardings, optim.schedule(cfg.optim, t.steps))
             B, T = t.global_batch_size, cfg.data.seq_len
             bs = batch_sharding(mesh)
             batch = {k: jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=bs) for k in ("ids", "segment_ids", "positions")}

@@ -34,11 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
 
     from r1jax import config as configlib
-    from r1jax import model as modellib
     from r1jax.config import Remat
     from r1jax.parallel.mesh import single_device_mesh
-    from r1jax.train import optim
-    from r1jax.train.step import init_state, make_train_step
+    from r1jax.train.step import build
 
     rows = []
     for policy in Remat:
@@ -47,11 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         batch = {"ids": jnp.asarray(np.random.default_rng(0).integers(0, cfg.model.vocab_size, (B, T)), jnp.int32),
                  "segment_ids": jnp.ones((B, T), jnp.int32),
                  "positions": jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))}
-        mesh = single_device_mesh()
-        model = modellib.build(cfg.model, mesh, dtype=modellib.COMPUTE_DTYPES[cfg.train.dtype], remat=policy)
-        tx = optim.make(cfg.optim, cfg.train.steps)
-        graphdef, state, sh = init_state(model, tx, mesh, cfg)
-        step = make_train_step(graphdef, tx, cfg, mesh, sh, optim.schedule(cfg.optim, cfg.train.steps))
+        _, _, state, _, _, step = build(cfg, single_device_mesh())
         jax.block_until_ready(state)        # initialisation is asynchronous: keep it out of the compile time
         t0 = time.perf_counter()
         compiled = step.lower(state, batch).compile()

@@ -20,7 +20,7 @@ from r1jax.config import Config
 from r1jax.parallel import mesh as meshlib
 from r1jax.parallel import pipeline
 from r1jax.train import optim
-from r1jax.train.step import batch_sharding, init_state, make_train_step
+from r1jax.train.step import batch_sharding, build
 
 
 def learning_rates(cfg: Config, n: int) -> list[float]:
@@ -34,16 +34,14 @@ def run(cfg: Config, tokens: np.ndarray, warmup: int, export_hf: Path | None = N
     initial weights are written there as an HF checkpoint first (for the reference)."""
     t = cfg.train
     mesh = meshlib.make_mesh(cfg.mesh)
-    layout = pipeline.mesh_layout(cfg, mesh)
     model = modellib.build(cfg.model, mesh, seed=t.seed, dtype=modellib.COMPUTE_DTYPES[t.dtype],
-                           remat=t.remat, layout=layout)
+                           remat=t.remat, layout=pipeline.mesh_layout(cfg, mesh))
     if export_hf is not None:
         from r1jax.convert import hf
         hf.save(model, cfg.model, export_hf)
-    tx = optim.make(cfg.optim, t.steps)
-    graphdef, state, shardings = init_state(model, tx, mesh, cfg)
+    setup = build(cfg, mesh, model)
     del model
-    step = make_train_step(graphdef, tx, cfg, mesh, shardings, optim.schedule(cfg.optim, t.steps))
+    state, step = setup.state, setup.step
     bs = batch_sharding(mesh)
     B, T = tokens.shape[1:]
     positions = np.broadcast_to(np.arange(T, dtype=np.int32), (B, T))

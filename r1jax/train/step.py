@@ -19,7 +19,7 @@ gamma * sign(mean load - load) using the step's routed-token counts.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -27,10 +27,12 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
+from r1jax import model as modellib
 from r1jax.config import Config, DType, Schedule
 from r1jax.model import Transformer
 from r1jax.parallel import mesh as meshlib
 from r1jax.parallel import pipeline
+from r1jax.train import optim
 from r1jax.train.loss import combine, cross_entropy_sum, loss_sums, shifted_targets, target_counts
 
 State = dict[str, Any]
@@ -204,3 +206,29 @@ def make_eval_step(graphdef, cfg: Config, mesh: Mesh, shardings: State):
     with meshlib.activate(mesh):
         return meshlib.MeshedJit(jax.jit(ev, in_shardings=(shardings, batch_sharding(mesh)),
                                          out_shardings=meshlib.replicated(mesh)), mesh)
+
+
+class Setup(NamedTuple):
+    """What `build` returns: a fresh run's state and its jitted train step."""
+    mesh: Mesh
+    graphdef: Any
+    state: State
+    shardings: State
+    tx: optax.GradientTransformation
+    step: Callable
+
+
+def build(cfg: Config, mesh: Mesh | None = None, model: Transformer | None = None) -> Setup:
+    """A fresh run's model, state and train step, built as the trainer builds them: parameters
+    born in their shards on `mesh` (default: `cfg.mesh` over all devices) with the config's seed,
+    compute dtype, remat policy and pipeline layout, AdamW state sharded like them. For the
+    benchmarks, the planner's check and the tests; `model` replaces the freshly built one."""
+    t = cfg.train
+    mesh = meshlib.make_mesh(cfg.mesh) if mesh is None else mesh
+    if model is None:
+        model = modellib.build(cfg.model, mesh, seed=t.seed, dtype=modellib.COMPUTE_DTYPES[t.dtype], remat=t.remat,
+                               layout=pipeline.mesh_layout(cfg, mesh))
+    tx = optim.make(cfg.optim, t.steps)
+    graphdef, state, shardings = init_state(model, tx, mesh, cfg)
+    step = make_train_step(graphdef, tx, cfg, mesh, shardings, optim.schedule(cfg.optim, t.steps))
+    return Setup(mesh, graphdef, state, shardings, tx, step)
