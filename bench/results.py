@@ -21,8 +21,8 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
-ORDER = ["bench", "data_pipeline", "remat", "accum", "memory", "compile_time"]
-SCRIPTS = ["data_pipeline", "remat", "accum", "compile_time", "memory"]
+ORDER = ["bench", "data_pipeline", "remat", "attention", "accum", "memory", "compile_time"]
+SCRIPTS = ["data_pipeline", "remat", "attention", "accum", "compile_time", "memory"]
 COMPARE_CONFIGS = ["bench/configs/dense_small.yaml", "bench/configs/moe_small.yaml"]
 
 HEADER = """# r1jax benchmark results

@@ -43,6 +43,11 @@ class MoEDispatch(str, enum.Enum):
     loop = "loop"          # every expert on every token, masked (reference; E x FLOPs)
 
 
+class AttentionImpl(str, enum.Enum):
+    dense = "dense"    # whole [T, S] scores (the parity-measured path; fastest at short T)
+    flash = "flash"    # blocks of model.attention_block positions; memory linear in T
+
+
 class DType(str, enum.Enum):
     fp32 = "fp32"
     bf16 = "bf16"
@@ -134,6 +139,8 @@ class ModelConfig:
     moe_dispatch: MoEDispatch = MoEDispatch.auto
     capacity_factor: float = 1.25      # only for moe_dispatch=capacity
     moe_tile_size: int = 64            # rows per expert tile for moe_dispatch=dropless
+    attention: AttentionImpl = AttentionImpl.dense  # how MLA's softmax(qk)v core runs
+    attention_block: int = 512         # positions per query/key block for attention=flash
     hf_config: Optional[str] = None    # load the keys above from an HF config.json first
 
     @property
@@ -382,7 +389,8 @@ def hf_config_dict(m: ModelConfig) -> dict[str, Any]:
     keys = [f.name for f in dataclasses.fields(ModelConfig)
             if f.name not in ("rope_scaling", "rope_theta", "num_nextn_predict_layers", "hidden_act",
                               "mtp_loss_weight", "bias_update_rate", "seq_aux_loss_alpha", "init_from",
-                              "moe_dispatch", "capacity_factor", "moe_tile_size", "hf_config")]
+                              "moe_dispatch", "capacity_factor", "moe_tile_size", "attention", "attention_block",
+                              "hf_config")]
     d: dict[str, Any] = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"}
     d.update({k: getattr(m, k) for k in keys})
     d["hidden_act"] = m.hidden_act.value
@@ -410,7 +418,7 @@ def validate_model(m: ModelConfig) -> None:
     for name in ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
                  "num_hidden_layers", "num_attention_heads", "kv_lora_rank", "qk_rope_head_dim",
                  "v_head_dim", "qk_nope_head_dim", "n_group", "topk_group", "num_experts_per_tok",
-                 "max_position_embeddings", "moe_tile_size"):
+                 "max_position_embeddings", "moe_tile_size", "attention_block"):
         _need(getattr(m, name) > 0, f"model.{name}={getattr(m, name)}: must be a positive integer")
     for name in ("n_shared_experts", "n_routed_experts", "first_k_dense_replace",
                  "num_nextn_predict_layers"):

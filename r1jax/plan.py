@@ -26,9 +26,9 @@ was read off its buffer assignment of the real step (XLA_FLAGS=--xla_dump_to, th
 (`--check`, tests/test_plan.py). Two facts from there shape it: without expert parallelism the
 routed dispatch sorts the tokens of the whole (pipeline) microbatch, so every device holds the
 routed buffers of *all* of them (their hidden dimension sharded over fsdp, the expert FFN width
-over tensor); and attention materialises fp32 scores [rows, heads/tensor, T, T] (no flash
-attention), which dominate at 4K tokens. What the CPU cannot show is modelled from the code and
-not measured: bf16/fp16 buffers (XLA:CPU keeps much of a bf16 step in fp32), ragged_dot (the GPU
+over tensor); and dense attention materialises fp32 scores [rows, heads/tensor, T, T], which
+dominate at 4K tokens (`model.attention=flash` keeps [rows, heads/tensor, T] and block tiles).
+What the CPU cannot show is modelled from the code and not measured: bf16/fp16 buffers (XLA:CPU keeps much of a bf16 step in fp32), ragged_dot (the GPU
 dispatch; counted like the dropless tiles, a row per token-expert pair), the fsdp-gathered layer.
 """
 from __future__ import annotations
@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from r1jax import config as configlib
-from r1jax.config import Config, ConfigError, DType, MeshConfig, MoEDispatch, Remat, Schedule
+from r1jax.config import AttentionImpl, Config, ConfigError, DType, MeshConfig, MoEDispatch, Remat, Schedule
 
 AXES = ("data", "fsdp", "tensor", "expert", "pipeline")
 GPUS_PER_NODE = 8
@@ -170,6 +170,7 @@ class Geometry:
     fsdp: int
     expert: int
     dispatch: str          # dropless | ragged | capacity (auto resolved for the backend)
+    attn_block: int = 0    # flash attention's block (0: dense attention, whole [T, T] scores)
 
 
 def geometry(cfg: Config, mesh: dict[str, int], backend: str = "gpu") -> Geometry:
@@ -184,7 +185,31 @@ def geometry(cfg: Config, mesh: dict[str, int], backend: str = "gpu") -> Geometr
     c = lambda n: -(-n // tp)
     return Geometry(rows_accum, max(rows_stage, 1), cfg.data.seq_len, DTYPE_BYTES[t.dtype], c(m.num_attention_heads),
                     c(m.vocab_size), c(m.intermediate_size), c(m.moe_intermediate_size),
-                    c(m.moe_intermediate_size * m.n_shared_experts), shards, mesh["fsdp"], mesh["expert"], kind)
+                    c(m.moe_intermediate_size * m.n_shared_experts), shards, mesh["fsdp"], mesh["expert"], kind,
+                    min(m.attention_block, cfg.data.seq_len) if m.attention is AttentionImpl.flash else 0)
+
+
+def _scores(g: Geometry, rows: int, phase: str, m: configlib.ModelConfig | None = None) -> int:
+    """Bytes of attention's score-sized tensors in a phase: `saved` for the backward, `forward`
+    and `backward` transients. Dense attention keeps fp32 scores and probabilities [rows, N, T, T];
+    flash attention keeps the log-sum-exp [rows, N, T] and works on [rows, N, b, b] tiles, with
+    fp32 dQ and output accumulators (r1jax/model/flash.py)."""
+    T, N = g.seq, g.heads
+    if not g.attn_block:
+        return {"saved": 2, "forward": 3, "backward": 4}[phase] * rows * N * T * T * F32
+    b = g.attn_block
+    Tp = -(-T // b) * b
+    tile = rows * N * b * b * F32
+    if phase == "saved":
+        return rows * N * Tp * F32
+    if phase == "forward":
+        return 3 * tile + rows * N * b * m.v_head_dim * F32
+    # the recomputed tile, its probabilities, dP and dS; fp32 dQ, dK, dV for every position (dQ is
+    # accumulated over key blocks, dK and dV written a key block at a time) and the key block's
+    # running dK, dV; rowsum(dO * O)
+    K, R, V = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
+    grads = N * (2 * K + R + V) + R
+    return 4 * tile + rows * Tp * grads * F32 + rows * b * (N * (K + V) + R) * F32 + rows * N * Tp * F32
 
 
 def _routed_rows(m: configlib.ModelConfig, g: Geometry, rows: int, local_sort: bool) -> tuple[int, int, int]:
@@ -245,7 +270,7 @@ def layer_inventory(m: configlib.ModelConfig, g: Geometry, moe: bool, rows: int,
         "hidden": t * D * (4 * dt + 2 * F32) + (t * D * F32 if moe else 0),     # + the router's fp32 copy
         "attn_latent": t * (3 * Q + (C + R) + 4 * C + R) * dt,                  # qa, q_norm, kv_a, c, k_rope
         "attn_heads": t * Nl * ((K + R) + R + 2 * K + 2 * V) * dt,              # q, q_rope, q/k_nope, v, o
-        "attn_scores": 2 * rows * Nl * g.seq * g.seq * F32,                      # fp32 scores and probabilities
+        "attn_scores": _scores(g, rows, "saved"),                               # fp32 scores and probabilities
     }
     if moe:
         n, width, _ = _routed_rows(m, g, rows, local_sort)
@@ -291,7 +316,7 @@ def layer_working(m: configlib.ModelConfig, g: Geometry, moe: bool, rows: int, l
     copies of its outputs into the stacked residual buffers (an unscanned layer, the MTP block,
     keeps its routed buffers as they are: they are counted here and not among its residuals)."""
     t, dt = rows * g.seq, g.dt
-    w = 3 * rows * g.heads * g.seq * g.seq * F32 + 4 * t * m.hidden_size * dt
+    w = _scores(g, rows, "forward", m) + 4 * t * m.hidden_size * dt
     if moe:
         w += _routed_working(m, g, rows, "forward_scanned" if scanned else "forward", local_sort)
     else:
@@ -315,7 +340,7 @@ def layer_backward(m: configlib.ModelConfig, g: Geometry, moe: bool, rows: int, 
     t, dt = rows * g.seq, g.dt
     inv = layer_inventory(m, g, moe, rows, local_sort)
     w = sum(v for k, v in inv.items() if k not in ("routed", "attn_scores"))
-    w += 4 * rows * g.heads * g.seq * g.seq * F32 + 16 * t * m.hidden_size * dt
+    w += _scores(g, rows, "backward", m) + 16 * t * m.hidden_size * dt
     if moe:
         n, width, pairs = _routed_rows(m, g, rows, local_sort)
         # the scatter-add buffers keep the tiles' fsdp-sharded width; the gathered expert outputs

@@ -1,6 +1,7 @@
 """Sharding changes where the numbers live, not what they are: 10 fp32 training steps of
 configs/tiny.yaml on 8 fake devices under each mesh equal the 1-device run (per-step loss within
-1e-5 relative, final parameters within 1e-5); parameters are born sharded and the optimizer state
+1e-5 relative, final parameters within 1e-5; three meshes run flash attention against the
+1-device dense run); parameters are born sharded and the optimizer state
 is sharded like them; a checkpoint restores onto another mesh."""
 from __future__ import annotations
 
@@ -14,8 +15,7 @@ from r1jax import config as configlib
 from r1jax import model as modellib
 from r1jax.parallel import mesh as meshlib
 from r1jax.parallel import pipeline
-from r1jax.train import optim
-from r1jax.train.step import init_state, make_train_step
+from r1jax.train.step import build
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 10
@@ -27,11 +27,7 @@ COMMON = ["optim.eps=1e-6"]
 
 def _run(overrides: list[str], devices: list, steps: int = STEPS):
     cfg = configlib.load(ROOT / "configs" / "tiny.yaml", COMMON + overrides)
-    mesh = meshlib.make_mesh(cfg.mesh, devices)
-    model = modellib.build(cfg.model, mesh, seed=0, layout=pipeline.mesh_layout(cfg, mesh))
-    tx = optim.make(cfg.optim, cfg.train.steps)
-    graphdef, state, shardings = init_state(model, tx, mesh, cfg)
-    step = make_train_step(graphdef, tx, cfg, mesh, shardings, optim.schedule(cfg.optim, cfg.train.steps))
+    mesh, _, state, shardings, _, step = build(cfg, meshlib.make_mesh(cfg.mesh, devices))
     rng = np.random.default_rng(0)
     B, T = cfg.train.global_batch_size, cfg.data.seq_len
     seg = np.ones((B, T), np.int32)
@@ -55,7 +51,8 @@ def reference():
 MESHES = {
     "data8": ["mesh.data=8"],
     "fsdp8": ["mesh.data=1", "mesh.fsdp=8"],
-    "data2_tensor4": ["mesh.data=2", "mesh.tensor=4"],
+    # flash attention with its heads over tensor (and inside the pipelines' shard_map below)
+    "data2_tensor4_flash": ["mesh.data=2", "mesh.tensor=4", "model.attention=flash", "model.attention_block=16"],
     "data2_fsdp2_tensor2": ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"],
     "expert4_data2": ["mesh.data=2", "mesh.expert=4"],                        # dropless: gather/scatter
     "expert4_data2_capacity": ["mesh.data=2", "mesh.expert=4", "model.moe_dispatch=capacity",
@@ -63,9 +60,11 @@ MESHES = {
     # tiny has 2 MoE layers: 1 per stage on 2 stages; on 4 stages (and on 2 x 2 virtual stages)
     # two of them are padding, which exercises uneven layer counts
     "pipeline2_data4_gpipe": ["mesh.data=4", "mesh.pipeline=2", "train.microbatches=2"],
-    "pipeline4_data2_1f1b": ["mesh.data=2", "mesh.pipeline=4", "train.microbatches=4", "pipeline.schedule=1f1b"],
+    "pipeline4_data2_1f1b": ["mesh.data=2", "mesh.pipeline=4", "train.microbatches=4", "pipeline.schedule=1f1b",
+                             "model.attention=flash", "model.attention_block=16"],
     "pipeline2_tensor2_data2_circular": ["mesh.data=2", "mesh.tensor=2", "mesh.pipeline=2", "train.microbatches=2",
-                                         "pipeline.schedule=circular", "pipeline.repeats=2"],
+                                         "pipeline.schedule=circular", "pipeline.repeats=2",
+                                         "model.attention=flash", "model.attention_block=16"],
 }
 
 

@@ -10,7 +10,10 @@ K qk_nope_head_dim (dn), R qk_rope_head_dim (dr), V v_head_dim.
              segment-restricted mask (packed documents never see each other)
 
 The rope part of the score is its own einsum against the single shared rope key, so the key
-is never broadcast to N heads. The latent norms use eps 1e-6 whatever `rms_norm_eps` is, as in
+is never broadcast to N heads. `model.attention` picks how the score/softmax/value core runs:
+`dense` materialises the [B, N, T, S] scores (the parity-measured path; fastest at short T),
+`flash` runs it in blocks of `model.attention_block` positions (r1jax/model/flash.py; memory
+linear in T, about half the FLOPs under the causal mask). The latent norms use eps 1e-6 whatever `rms_norm_eps` is, as in
 the reference.
 """
 from __future__ import annotations
@@ -20,8 +23,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from r1jax.config import ModelConfig
+from r1jax.config import AttentionImpl, ModelConfig
 from r1jax.model import rope
+from r1jax.model.flash import flash_attention
 from r1jax.model.layers import dense, F32, RMSNorm, cast, const_param, normal_param
 from r1jax.parallel.mesh import constrain
 
@@ -34,6 +38,15 @@ def attention_mask(segment_ids_BT: jax.Array) -> jax.Array:
     causal = jnp.tril(jnp.ones((T, T), dtype=bool))
     same = segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :]
     return (causal[None] & same)[:, None]
+
+
+def dense_attention(q_nope_BTNK, q_rope_BTNR, k_nope_BSNK, k_rope_BSR, v_BSNV, segment_ids_BT, scale):
+    """[B, T, N, V]: the scores whole, softmax in fp32, as the reference's eager attention."""
+    scores = (jnp.einsum("BTNK,BSNK->BNTS", q_nope_BTNK, k_nope_BSNK)
+              + jnp.einsum("BTNR,BSR->BNTS", q_rope_BTNR, k_rope_BSR)).astype(F32) * scale
+    scores = jnp.where(attention_mask(segment_ids_BT), scores, jnp.finfo(F32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_BSNV.dtype)
+    return jnp.einsum("BNTS,BSNV->BTNV", probs, v_BSNV)
 
 
 class MLA(nnx.Module):
@@ -60,7 +73,7 @@ class MLA(nnx.Module):
             self.bo_D = const_param(0.0, (D,), ("norm",))
         self.scale = rope.softmax_scale(cfg)
 
-    def __call__(self, x_BTD, cos_BTR, sin_BTR, mask_B1TS):
+    def __call__(self, x_BTD, cos_BTR, sin_BTR, segment_ids_BT):
         cfg, dt = self.cfg, self.dtype
         K, C = cfg.qk_nope_head_dim, cfg.kv_lora_rank
         heads = ("batch", "seq", "act_heads", None)
@@ -82,11 +95,11 @@ class MLA(nnx.Module):
         kv = constrain(dense(c, cast(self.wkv_b_CNH, dt)), *heads)          # BTC,CNH->BTNH
         k_nope, v = kv[..., :K], kv[..., K:]
 
-        scores = (jnp.einsum("BTNK,BSNK->BNTS", q_nope, k_nope)
-                  + jnp.einsum("BTNR,BSR->BNTS", q_rope, k_rope)).astype(F32) * self.scale
-        scores = jnp.where(mask_B1TS, scores, jnp.finfo(F32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-        o = constrain(jnp.einsum("BNTS,BSNV->BTNV", probs, v), *heads)
+        if cfg.attention == AttentionImpl.flash:
+            o = flash_attention(q_nope, q_rope, k_nope, k_rope, v, segment_ids_BT, self.scale, cfg.attention_block)
+        else:
+            o = dense_attention(q_nope, q_rope, k_nope, k_rope, v, segment_ids_BT, self.scale)
+        o = constrain(o, *heads)
         out = dense(o, cast(self.wo_NVD, dt), 2)                # BTNV,NVD->BTD
         if cfg.attention_bias:
             out = out + cast(self.bo_D, dt)

@@ -22,7 +22,7 @@ from flax import nnx
 from r1jax.config import ModelConfig, Remat
 from r1jax.model import rope
 from r1jax.model.layers import F32, MLP, dense, Embed, RMSNorm, cast, normal_param
-from r1jax.model.mla import MLA, attention_mask
+from r1jax.model.mla import MLA
 from r1jax.model.moe import MoE
 from r1jax.parallel.mesh import constrain
 
@@ -59,8 +59,8 @@ class Block(nnx.Module):
             self.mlp = MLP(D, cfg.intermediate_size, cfg.initializer_range, dtype, rngs=rngs)
         self.is_moe = moe
 
-    def __call__(self, x, cos, sin, mask):
-        h = x + self.attn(self.input_norm(x), cos, sin, mask)
+    def __call__(self, x, cos, sin, segment_ids):
+        h = x + self.attn(self.input_norm(x), cos, sin, segment_ids)
         if self.is_moe:
             y, aux = self.mlp(self.post_attn_norm(h))
         else:
@@ -75,14 +75,14 @@ def _checkpointed(fn, remat: Remat):
     return jax.checkpoint(fn, policy=policy, prevent_cse=False)
 
 
-def scan_blocks(graphdef, state, x, cos, sin, mask, remat: Remat, valid=None):
+def scan_blocks(graphdef, state, x, cos, sin, segment_ids, remat: Remat, valid=None):
     """Blocks with stacked parameters `state` [n, ...] applied in order under `lax.scan`.
 
     `valid` [n] bool marks real layers; a padding slot (False) passes its input through and
     reports zero load, drops and balance loss, so its (zero) parameters get exactly zero gradient."""
     def body(carry, xs):
         layer_state, ok = xs
-        y, aux = nnx.merge(graphdef, layer_state)(carry, cos, sin, mask)
+        y, aux = nnx.merge(graphdef, layer_state)(carry, cos, sin, segment_ids)
         if ok is None:
             return y, aux
         return jnp.where(ok, y, carry), jax.tree.map(lambda a: jnp.where(ok, a, jnp.zeros_like(a)), aux)
@@ -107,11 +107,11 @@ class Stack(nnx.Module):
         self.layers = make(rngs)
         self.layout = layout
 
-    def __call__(self, x, cos, sin, mask, remat: Remat):
+    def __call__(self, x, cos, sin, segment_ids, remat: Remat):
         graphdef, state = nnx.split(self.layers)
         if self.layout is not None and not self.layout.identity:
             state = jax.tree.map(lambda a: a[self.layout.slot_of], state)
-        return scan_blocks(graphdef, state, x, cos, sin, mask, remat)
+        return scan_blocks(graphdef, state, x, cos, sin, segment_ids, remat)
 
 
 class MTPModule(nnx.Module):
@@ -124,10 +124,10 @@ class MTPModule(nnx.Module):
         self.final_norm = RMSNorm(D, cfg.rms_norm_eps, dtype)
         self.dtype = dtype
 
-    def __call__(self, h_prev, emb_next, cos, sin, mask):
+    def __call__(self, h_prev, emb_next, cos, sin, segment_ids):
         x = jnp.concatenate([self.enorm(emb_next), self.hnorm(h_prev)], axis=-1)
         x = dense(x, cast(self.eh_proj_2DD, self.dtype))                     # BTE,ED->BTD
-        y, aux = self.block(constrain(x, "batch", "seq", "act_embed"), cos, sin, mask)
+        y, aux = self.block(constrain(x, "batch", "seq", "act_embed"), cos, sin, segment_ids)
         return self.final_norm(y), aux
 
 
@@ -167,7 +167,7 @@ class Transformer(nnx.Module):
         x = self.embed(input_ids)
         if self.dense_layers is not None:
             cos, sin = rope.cos_sin(self.cfg, positions, self.dtype)
-            x, _ = self.dense_layers(x, cos, sin, attention_mask(segment_ids), self.remat)
+            x, _ = self.dense_layers(x, cos, sin, segment_ids, self.remat)
         return x, positions, segment_ids
 
     def epilogue(self, x: jax.Array, input_ids: jax.Array, positions: jax.Array, segment_ids: jax.Array,
@@ -179,7 +179,6 @@ class Transformer(nnx.Module):
         if not (mtp and len(self.mtp)):
             return Output(logits, None, {})
 
-        mask = attention_mask(segment_ids)
         mtp_logits, mtp_aux = [], []
         for depth, module in enumerate(self.mtp, start=1):
             emb = self.embed(jnp.roll(input_ids, -depth, axis=1))
@@ -188,7 +187,7 @@ class Transformer(nnx.Module):
             run = _checkpointed(lambda st, *a: nnx.merge(graphdef, st)(*a), self.remat)
             # the mask stays on the unshifted segments: a key whose inputs straddle a document
             # boundary is never attended by a query with a valid target
-            h, a = run(state, h, emb, cos_k, sin_k, mask)
+            h, a = run(state, h, emb, cos_k, sin_k, segment_ids)
             mtp_logits.append(self.head(h))
             mtp_aux.append(a)
         aux = {f"mtp_{k}": jnp.stack([a[k] for a in mtp_aux]) for k in mtp_aux[0]}
@@ -203,6 +202,6 @@ class Transformer(nnx.Module):
         aux: dict[str, jax.Array] = {}
         if self.moe_layers is not None:
             cos, sin = rope.cos_sin(self.cfg, positions, self.dtype)
-            x, aux = self.moe_layers(x, cos, sin, attention_mask(segment_ids), self.remat)
+            x, aux = self.moe_layers(x, cos, sin, segment_ids, self.remat)
         out = self.epilogue(x, input_ids, positions, segment_ids, mtp=mtp)
         return Output(out.logits, out.mtp_logits, {**aux, **out.aux})

@@ -40,7 +40,6 @@ from jax.sharding import PartitionSpec as P
 
 from r1jax.config import Config, Schedule
 from r1jax.model import rope
-from r1jax.model.mla import attention_mask
 from r1jax.model.transformer import Output, scan_blocks
 
 AXIS = "pipeline"
@@ -146,7 +145,7 @@ def _stage_fn(model, graphdef, axes: tuple[str, ...] = (AXIS,)):
 
     def stage(w, valid, x, pos, seg):
         cos, sin = rope.cos_sin(cfg, pos, dtype)
-        y, aux = scan_blocks(graphdef, w, _vary(x, axes), cos, sin, attention_mask(seg), remat, valid)
+        y, aux = scan_blocks(graphdef, w, _vary(x, axes), cos, sin, seg, remat, valid)
         return y, {k: aux[k].astype(jnp.float32) for k in STAGE_AUX}
     return stage
 

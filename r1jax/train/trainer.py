@@ -57,7 +57,7 @@ BYTES_PER_PARAM = 16   # fp32 master + fp32 gradient + Adam mu and nu
 ITEMS = ("params", "opt_state", "meta", "data")
 # keys that change only how r1jax trains or runs, not the weights a checkpoint holds
 RUN_ONLY_KEYS = {"mtp_loss_weight", "bias_update_rate", "seq_aux_loss_alpha", "init_from", "moe_dispatch",
-                 "capacity_factor", "moe_tile_size", "hf_config", "num_nextn_predict_layers",
+                 "capacity_factor", "moe_tile_size", "attention", "attention_block", "hf_config", "num_nextn_predict_layers",
                  "initializer_range", "bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings"}
 
 
