@@ -20,4 +20,4 @@ demo: $(VENV)/.installed
 	$(BIN)/python -m r1jax.train --config configs/demo.yaml
 
 test: $(VENV)/.installed-test
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15
