@@ -187,6 +187,7 @@ class OptimConfig:
     eps: float = 1e-8
     weight_decay: float = 0.1
     clip_norm: float = 1.0             # global-norm clipping; 0 disables
+    moment_dtype: DType = DType.fp32   # storage of AdamW's mu and nu: fp32 or bf16 (DeepSeek-V3's choice)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -515,6 +516,8 @@ def validate(cfg: Config) -> None:
     _need(o.eps > 0, f"optim.eps={o.eps}: must be > 0")
     _need(o.weight_decay >= 0, f"optim.weight_decay={o.weight_decay}: must be >= 0")
     _need(o.clip_norm >= 0, f"optim.clip_norm={o.clip_norm}: must be >= 0 (0 disables clipping)")
+    _need(o.moment_dtype is not DType.fp16, "optim.moment_dtype=fp16: must be fp32 or bf16 (fp16's range "
+                                            "cannot hold squared gradients)")
 
     _need(t.steps > 0, f"train.steps={t.steps}: must be a positive integer")
     _need(t.global_batch_size > 0, f"train.global_batch_size={t.global_batch_size}: must be positive")

@@ -127,7 +127,13 @@ def _key(mesh: dict[str, int]) -> tuple:
 def state_bytes(cfg: Config, mesh: dict[str, int]) -> dict[str, Any]:
     """Per-device bytes of the parameters, router biases and AdamW state, by part of the model."""
     out = _state_bytes(cfg.model, _layout(cfg, mesh), _key(mesh))
-    return {**out, "by_part": dict(out["by_part"])}
+    # AdamW's mu + nu are counted in fp32 below; optim.moment_dtype=bf16 halves them
+    opt = (out["opt"] - 8) * _moment_bytes(cfg) // F32 + 8
+    return {**out, "opt": opt, "by_part": dict(out["by_part"])}
+
+
+def _moment_bytes(cfg: Config) -> int:
+    return 2 if cfg.optim.moment_dtype is DType.bf16 else F32
 
 
 @functools.lru_cache(maxsize=4096)
@@ -610,9 +616,10 @@ def smallest_fit(cfg: Config, hardware: str, max_nodes: int = 4096) -> dict[str,
     today first, then the least memory. When only refused layouts fit there, the search goes on
     to the smallest mesh r1jax runs today (`smallest_runnable`)."""
     usable = HARDWARE_MIB[hardware] * 2**20 * (1 - RESERVE)
-    # the fp32 masters and AdamW moments (12 B a parameter) cannot be split over more than all devices
+    # the fp32 masters and AdamW moments (12 B a parameter in fp32) cannot be split over more than all devices
     n_params = sum(math.prod(l.shape) for l in leaves(cfg.model) if l.trainable)
-    nodes = 2 ** max(0, math.ceil(math.log2(max(1.0, 12 * n_params / usable / GPUS_PER_NODE))))
+    per_param = F32 + 2 * _moment_bytes(cfg)
+    nodes = 2 ** max(0, math.ceil(math.log2(max(1.0, per_param * n_params / usable / GPUS_PER_NODE))))
     best_any = best_ok = None
     while nodes <= max_nodes and best_ok is None:
         fits = []
@@ -661,7 +668,7 @@ def report(cfg: Config, r: dict[str, Any]) -> str:
         lines.append(f"NOTE: r1jax refuses this mesh today ({r['refused']}); the numbers are what it would hold")
     rows = [("state (the step's donated arguments)", None),
             ("  parameters (fp32 masters)", r["params"]),
-            ("  optimizer state (AdamW mu+nu, fp32)", r["opt"]),
+            (f"  optimizer state (AdamW mu+nu, {cfg.optim.moment_dtype.value})", r["opt"]),
             ("  router biases", r["router_bias"]),
             ("  batch rows + step scalars", r["batch_and_scalars"]),
             ("  = state", r["argument"]),
@@ -691,8 +698,8 @@ def report(cfg: Config, r: dict[str, Any]) -> str:
     lines.append(f"rule of thumb 'GPU memory >= 1.5 x parameters' (all GPUs together vs 1.5 x the weights in bf16): "
                  f"{_gib(th['gpu_memory_total'])} vs {_gib(th['one_and_half_bf16_params'])} "
                  f"({th['parameters'] / 1e9:,.1f} B parameters): {'holds' if th['gpu_rule_ok'] else 'fails'}; "
-                 f"r1jax's training state alone is 12 B/parameter (+4 B of gradients) = "
-                 f"{_gib(16 * th['parameters'])} over all GPUs")
+                 f"r1jax's training state alone is {F32 + 2 * _moment_bytes(cfg)} B/parameter (+4 B of gradients) = "
+                 f"{_gib((2 * F32 + 2 * _moment_bytes(cfg)) * th['parameters'])} over all GPUs")
     lines.append(f"rule of thumb 'host memory = 2 x GPU memory': {_gib(th['host_memory_per_node'])} of host RAM "
                  f"per node of {GPUS_PER_NODE} GPUs")
     if "proposal" in r:

@@ -107,10 +107,3 @@ def test_flash_memory_grows_linearly_and_the_planner_knows():
     # 16 x 128 tokens; its dense model is 3.4% under at 16 x 128 and 16% under at 1 x 2048)
     predicted = plan.evaluate(cfg("flash", 2048), one, "h100-80gb", backend="cpu")["temp"]
     assert abs(predicted / temp["flash", 2048] - 1) < 0.12, (predicted, temp["flash", 2048])
-
-
-def test_config_rejects_a_bad_attention_block():
-    with pytest.raises(configlib.ConfigError, match=r"^model\.attention_block=0: must be a positive integer$"):
-        configlib.load(ROOT / "configs" / "tiny.yaml", ["model.attention_block=0"])
-    with pytest.raises(configlib.ConfigError, match=r"model\.attention"):
-        configlib.load(ROOT / "configs" / "tiny.yaml", ["model.attention=splash"])

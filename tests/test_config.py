@@ -34,6 +34,8 @@ BAD = {
     "batch not divisible by shards": (["mesh.data=3"], "train.global_batch_size"),
     "two free mesh axes": (["mesh.fsdp=-1"], "mesh"),
     "negative lr": (["optim.lr=-1"], "optim.lr"),
+    "fp16 Adam moments": (["optim.moment_dtype=fp16"], "optim.moment_dtype=fp16: must be fp32 or bf16"),
+    "zero attention block": (["model.attention_block=0"], "model.attention_block=0: must be a positive integer"),
     "zero steps": (["train.steps=0"], "train.steps"),
     "text source without paths": (["data.source=text"], "data.paths"),
     "dense prefix beyond depth": (["model.first_k_dense_replace=9"], "model.first_k_dense_replace"),

@@ -1,6 +1,7 @@
 """The train step's numerics: gradient accumulation equals the large batch, fp16 loss scaling
 skips overflowing steps and grows the scale, bf16 keeps fp32 masters, remat policies change
-memory but not results, the balance loss and the router-bias update follow DeepSeek-V3."""
+memory but not results, the balance loss and the router-bias update follow DeepSeek-V3, and
+bf16 Adam moments halve the optimizer state while training like fp32 ones."""
 from __future__ import annotations
 
 
@@ -23,6 +24,8 @@ from r1jax.train.step import init_state, make_train_step, update_router_bias
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# bf16 Adam moments against fp32 ones, 10 steps of tiny on one batch: measured 1.0e-4 relative
+TOL_BF16_MOMENTS = 3e-4
 
 
 def _cfg(*overrides):
@@ -188,3 +191,29 @@ def test_schedule_and_decay_mask():
     for path, decayed in mask.items():
         is_norm_or_bias = any("norm" in str(p) for p in path) or path[-1] in ("bq_a_Q", "bkv_a_C", "bo_D")
         assert decayed != is_norm_or_bias, path
+
+
+def test_bf16_moments_halve_the_optimizer_state_and_train_alike():
+    """optim.moment_dtype=bf16 (DeepSeek-V3's AdamW): mu and nu are stored in bf16, half the bytes,
+    and the planner counts exactly those bytes; 10 steps track the fp32-moment run."""
+    from r1jax import plan
+
+    runs = {}
+    for dt in ("fp32", "bf16"):
+        cfg = _cfg(f"optim.moment_dtype={dt}")
+        state, step = _setup(cfg)
+        moments = [a for s in jax.tree.leaves(state["opt"], is_leaf=lambda s: isinstance(s, optax.ScaleByAdamState))
+                   if isinstance(s, optax.ScaleByAdamState) for a in jax.tree.leaves((s.mu, s.nu))]
+        assert {a.dtype for a in moments} == {jnp.dtype(jnp.float32 if dt == "fp32" else jnp.bfloat16)}
+        opt_bytes = sum(a.nbytes for a in jax.tree.leaves(state["opt"]))
+        assert plan.state_bytes(cfg, dict.fromkeys(plan.AXES, 1))["opt"] == opt_bytes
+        losses, batch = [], _batch(cfg)
+        for _ in range(10):                    # one batch, learnt: the loss falls
+            state, m = step(state, batch)
+            losses.append(float(m["loss"]))
+        runs[dt] = (opt_bytes, np.array(losses))
+    (b32, l32), (b16, l16) = runs["fp32"], runs["bf16"]
+    assert b16 < 0.51 * b32
+    print(f"\nlosses fp32 moments {l32}\nlosses bf16 moments {l16}\nmax rel {np.max(np.abs(l16 - l32) / l32)}")
+    assert l16[-1] < l16[0] - 0.1
+    np.testing.assert_allclose(l16, l32, rtol=TOL_BF16_MOMENTS)

@@ -1,11 +1,19 @@
 """AdamW with linear warmup then cosine decay to a floor, global-norm clipping, and a weight
-decay mask that leaves norms and biases alone."""
+decay mask that leaves norms and biases alone.
+
+`optim.moment_dtype=bf16` stores both Adam moments in bf16, as DeepSeek-V3 trained: each step
+reads them, updates them and computes the step in fp32, and rounds them back to bf16 (optax
+keeps mu in `mu_dtype` and nu in the dtype its state was created with). The state keeps its
+structure, so checkpoints of either kind have the same tree."""
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import optax
 
-from r1jax.config import OptimConfig
+from r1jax.config import DType, OptimConfig
+
+MOMENT_DTYPES = {DType.fp32: jnp.float32, DType.bf16: jnp.bfloat16}
 
 # module names whose `weight` is an RMSNorm scale, and the attention biases: never decayed
 NORMS = {"input_norm", "post_attn_norm", "final_norm", "q_norm", "kv_norm", "enorm", "hnorm"}
@@ -29,7 +37,21 @@ def decay_mask(params):
     return jax.tree_util.tree_map_with_path(lambda p, _: decays(p), params)
 
 
+def _moments_in(tx: optax.GradientTransformation, dtype) -> optax.GradientTransformation:
+    """`tx` whose Adam second moment starts (and so stays) in `dtype`."""
+    def init(params):
+        def cast(s):
+            if isinstance(s, optax.ScaleByAdamState):
+                return s._replace(nu=jax.tree.map(lambda a: a.astype(dtype), s.nu))
+            return s
+        return jax.tree.map(cast, tx.init(params), is_leaf=lambda s: isinstance(s, optax.ScaleByAdamState))
+    return optax.GradientTransformation(init, tx.update)
+
+
 def make(o: OptimConfig, steps: int) -> optax.GradientTransformation:
+    dtype = MOMENT_DTYPES[o.moment_dtype]
     adamw = optax.adamw(schedule(o, steps), b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
-                        mask=decay_mask)
+                        mask=decay_mask, mu_dtype=None if dtype == jnp.float32 else dtype)
+    if dtype != jnp.float32:
+        adamw = _moments_in(adamw, dtype)
     return optax.chain(optax.clip_by_global_norm(o.clip_norm), adamw) if o.clip_norm > 0 else adamw

@@ -53,7 +53,7 @@ from r1jax.train import mfu, optim
 from r1jax.train.metrics import MetricsWriter, Progress, log_line
 from r1jax.train.step import batch_sharding, init_state, make_eval_step, make_train_step
 
-BYTES_PER_PARAM = 16   # fp32 master + fp32 gradient + Adam mu and nu
+BYTES_PER_PARAM = 8    # fp32 master + fp32 gradient, plus Adam's mu and nu in optim.moment_dtype
 ITEMS = ("params", "opt_state", "meta", "data")
 # keys that change only how r1jax trains or runs, not the weights a checkpoint holds
 RUN_ONLY_KEYS = {"mtp_loss_weight", "bias_update_rate", "seq_aux_loss_alpha", "init_from", "moe_dispatch",
@@ -64,7 +64,7 @@ RUN_ONLY_KEYS = {"mtp_loss_weight", "bias_update_rate", "seq_aux_loss_alpha", "i
 def preflight(cfg: Config, devices: list) -> None:
     """Refuse, before any compile, a model whose weights, gradients and Adam state cannot fit."""
     n = count_params(cfg.model).total
-    need = n * BYTES_PER_PARAM
+    need = n * (BYTES_PER_PARAM + 2 * jnp.dtype(optim.MOMENT_DTYPES[cfg.optim.moment_dtype]).itemsize)
     limits = [(d.memory_stats() or {}).get("bytes_limit") if d.platform != "cpu" else None for d in devices]
     if any(limits):
         have, where = sum(x or 0 for x in limits), f"{len(devices)} {devices[0].platform} devices"
