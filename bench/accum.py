@@ -18,13 +18,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Sequence
+
+from r1jax.bench import machine_line
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -165,7 +165,6 @@ def main(argv: list[str] | None = None) -> int:
         (RESULTS / "accum.md").write_text(report(saved, saved["results"]))
         print((RESULTS / "accum.md").read_text())
         return 0
-    import jax
 
     t_start = time.perf_counter()
     ov = [f"train.global_batch_size={args.global_batch}"]
@@ -179,8 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     fixed, scaling = fit_fixed_and_scaling([r for r in rows if r["remat"] == "none"])
     meta = {"command": ("python bench/accum.py " + " ".join(argv if argv is not None else sys.argv[1:])).strip(),
             "date": datetime.datetime.now().astimezone().isoformat(timespec="minutes"),
-            "machine": (f"{os.cpu_count()} CPU cores ({platform.machine()}), jax {jax.__version__}, "
-                        f"load average {os.getloadavg()[0]:.1f} at the end"),
+            "machine": machine_line(),
             "config": _rel(args.config), "global_batch_size": args.global_batch, "steps": args.steps,
             "fit_temp_fixed_bytes": fixed, "fit_temp_per_batch_bytes": scaling,
             "total_s": time.perf_counter() - t_start}

@@ -15,10 +15,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
+
+from r1jax.bench import machine_line
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -109,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
                        + ("" if args.seq == [512, 1024, 2048, 4096] else " --seq " + " ".join(map(str, args.seq)))
                        + ("" if args.block == 512 else f" --block {args.block}"),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
-            "machine": _machine(),
+            "machine": machine_line(),
             "config": str(config.relative_to(ROOT)) if config.is_relative_to(ROOT) else str(config),
             "block": args.block, "steps": args.steps}
     out = Path(args.out)
@@ -119,14 +120,6 @@ def main(argv: list[str] | None = None) -> int:
     out.with_suffix(".md").write_text(md)
     print(md)
     return 0
-
-
-def _machine() -> str:
-    import os
-
-    import jax
-    return (f"{os.cpu_count()} CPU cores ({platform.machine()}), jax {jax.__version__}, "
-            f"load average {os.getloadavg()[0]:.1f} at the end")
 
 
 if __name__ == "__main__":

@@ -24,13 +24,14 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Sequence
+
+from r1jax.bench import machine_line
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -145,10 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"ratio {hi}/{lo} layers of trace + lower + compile: {ratio['total_s']:.2f}x wall, "
           f"{ratio['total_cpu_s']:.2f}x CPU ({'<=' if ok else '>'} {LIMIT})")
 
-    import jax
     command = ("python bench/compile_time.py " + " ".join(argv if argv is not None else sys.argv[1:])).strip()
-    machine = (f"{os.cpu_count()} CPU cores ({platform.machine()}), jax {jax.__version__}, "
-               f"load average {os.getloadavg()[0]:.1f} at the end")
+    machine = machine_line()
     date = datetime.datetime.now().astimezone().isoformat(timespec="minutes")
     diff = med[hi]["total_s"] - med[lo]["total_s"]
     part = max(("trace_s", "lower_s", "compile_s"), key=lambda k: abs(med[hi][k] - med[lo][k]))

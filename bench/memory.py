@@ -28,7 +28,6 @@ import datetime
 import json
 import math
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -40,6 +39,8 @@ import jax
 jax.config.update("jax_num_cpu_devices", int(os.environ["JAX_NUM_CPU_DEVICES"]))
 
 import jax.numpy as jnp
+
+from r1jax.bench import machine_line
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -253,8 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     # ---- files
     cfg_name = Path(args.config).name
     command = ("python bench/memory.py " + " ".join(argv if argv is not None else sys.argv[1:])).strip()
-    machine = (f"{os.cpu_count()} CPU cores ({platform.machine()}), jax {jax.__version__}, "
-               f"load average {os.getloadavg()[0]:.1f} at the end")
+    machine = machine_line()
     date = datetime.datetime.now().astimezone().isoformat(timespec="minutes")
     errors = [n for n, r in rows.items() if "error" in r] + [f"{r['schedule']} M={r['microbatches']}" for r in sched
                                                               if "error" in r]

@@ -12,12 +12,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
+
+from r1jax.bench import machine_line
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -73,8 +73,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"{r['step_ms_median']:.0f} ms | {r['step_ms_median'] / base['step_ms_median']:.2f}x | "
                      f"{r['compile_s']:.1f} s |")
     command = "python bench/remat.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    machine = (f"{os.cpu_count()} CPU cores ({platform.machine()}), jax {jax.__version__}, "
-               f"load average {os.getloadavg()[0]:.1f} at the end")
+    machine = machine_line()
     date = datetime.datetime.now().astimezone().isoformat(timespec="minutes")
     print("\n" + "\n".join(table))
     RESULTS.mkdir(parents=True, exist_ok=True)

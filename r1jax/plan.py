@@ -195,7 +195,7 @@ def geometry(cfg: Config, mesh: dict[str, int], backend: str = "gpu") -> Geometr
                     min(m.attention_block, cfg.data.seq_len) if m.attention is AttentionImpl.flash else 0)
 
 
-def _scores(g: Geometry, rows: int, phase: str, m: configlib.ModelConfig | None = None) -> int:
+def _scores(m: configlib.ModelConfig, g: Geometry, rows: int, phase: str) -> int:
     """Bytes of attention's score-sized tensors in a phase: `saved` for the backward, `forward`
     and `backward` transients. Dense attention keeps fp32 scores and probabilities [rows, N, T, T];
     flash attention keeps the log-sum-exp [rows, N, T] and works on [rows, N, b, b] tiles, with
@@ -276,7 +276,7 @@ def layer_inventory(m: configlib.ModelConfig, g: Geometry, moe: bool, rows: int,
         "hidden": t * D * (4 * dt + 2 * F32) + (t * D * F32 if moe else 0),     # + the router's fp32 copy
         "attn_latent": t * (3 * Q + (C + R) + 4 * C + R) * dt,                  # qa, q_norm, kv_a, c, k_rope
         "attn_heads": t * Nl * ((K + R) + R + 2 * K + 2 * V) * dt,              # q, q_rope, q/k_nope, v, o
-        "attn_scores": _scores(g, rows, "saved"),                               # fp32 scores and probabilities
+        "attn_scores": _scores(m, g, rows, "saved"),                               # fp32 scores and probabilities
     }
     if moe:
         n, width, _ = _routed_rows(m, g, rows, local_sort)
@@ -322,7 +322,7 @@ def layer_working(m: configlib.ModelConfig, g: Geometry, moe: bool, rows: int, l
     copies of its outputs into the stacked residual buffers (an unscanned layer, the MTP block,
     keeps its routed buffers as they are: they are counted here and not among its residuals)."""
     t, dt = rows * g.seq, g.dt
-    w = _scores(g, rows, "forward", m) + 4 * t * m.hidden_size * dt
+    w = _scores(m, g, rows, "forward") + 4 * t * m.hidden_size * dt
     if moe:
         w += _routed_working(m, g, rows, "forward_scanned" if scanned else "forward", local_sort)
     else:
@@ -346,7 +346,7 @@ def layer_backward(m: configlib.ModelConfig, g: Geometry, moe: bool, rows: int, 
     t, dt = rows * g.seq, g.dt
     inv = layer_inventory(m, g, moe, rows, local_sort)
     w = sum(v for k, v in inv.items() if k not in ("routed", "attn_scores"))
-    w += _scores(g, rows, "backward", m) + 16 * t * m.hidden_size * dt
+    w += _scores(m, g, rows, "backward") + 16 * t * m.hidden_size * dt
     if moe:
         n, width, pairs = _routed_rows(m, g, rows, local_sort)
         # the scatter-add buffers keep the tiles' fsdp-sharded width; the gathered expert outputs

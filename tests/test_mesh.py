@@ -15,7 +15,7 @@ from r1jax import config as configlib
 from r1jax import model as modellib
 from r1jax.parallel import mesh as meshlib
 from r1jax.parallel import pipeline
-from r1jax.train.step import build
+from runs import train_tiny
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 10
@@ -26,20 +26,7 @@ COMMON = ["optim.eps=1e-6"]
 
 
 def _run(overrides: list[str], devices: list, steps: int = STEPS):
-    cfg = configlib.load(ROOT / "configs" / "tiny.yaml", COMMON + overrides)
-    mesh, _, state, shardings, _, step = build(cfg, meshlib.make_mesh(cfg.mesh, devices))
-    rng = np.random.default_rng(0)
-    B, T = cfg.train.global_batch_size, cfg.data.seq_len
-    seg = np.ones((B, T), np.int32)
-    seg[:, T // 2:] = 2
-    pos = np.concatenate([np.arange(T // 2), np.arange(T - T // 2)])[None].repeat(B, 0).astype(np.int32)
-    losses = []
-    for _ in range(steps):
-        batch = {"ids": rng.integers(0, cfg.model.vocab_size, (B, T)).astype(np.int32),
-                 "segment_ids": seg, "positions": pos}
-        state, m = step(state, batch)
-        losses.append(float(m["loss"]))
-    return cfg, mesh, state, shardings, losses
+    return train_tiny(COMMON + overrides, devices, steps)
 
 
 @pytest.fixture(scope="module")

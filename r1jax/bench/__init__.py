@@ -11,3 +11,14 @@ def peak_rss_bytes() -> int:
             return 1024 * int(next(line.split()[1] for line in f if line.startswith("VmHWM:")))
     except (OSError, StopIteration):
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def machine_line() -> str:
+    """What the bench tables say of the machine: cores, architecture, jax, and the load average
+    when the measurement ended (these machines are shared)."""
+    import os
+    import platform
+
+    import jax
+    return (f"{os.cpu_count()} CPU cores ({platform.machine()}), jax {jax.__version__}, "
+            f"load average {os.getloadavg()[0]:.1f} at the end")

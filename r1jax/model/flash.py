@@ -88,6 +88,8 @@ def _forward(qn, qr, kn, kr, v, seg, scale, b):
 def _backward(qn, qr, kn, kr, v, seg, o, lse, do, scale, b):
     """Tiled inputs and output cotangent -> tiled (dqn, dqr, dkn, dkr, dv) in fp32."""
     n = v.shape[1]
+    zeros = lambda x: jnp.zeros(x.shape, F32)     # noqa: E731
+    refs = (qn, qr, kn, kr, v, seg, o, lse, do)
     delta = jnp.einsum("BnTNV,BnTNV->BNnT", do.astype(F32), o.astype(F32))   # rowsum(dO * O)
 
     def key_tile(j, grads):
@@ -107,13 +109,10 @@ def _backward(qn, qr, kn, kr, v, seg, o, lse, do, scale, b):
             dkr_j = dkr_j + jnp.einsum("BNTS,BTNR->BSR", ds, qr_i, preferred_element_type=F32)
             return dqn, dqr, dkn_j, dkr_j, dv_j
 
-        zeros = lambda x: jnp.zeros(x.shape, F32)     # noqa: E731
         init = (dqn, dqr, *_like((zeros(kn_j), zeros(kr_j), zeros(v_j)), *refs))
         dqn, dqr, dkn_j, dkr_j, dv_j = jax.lax.fori_loop(j, n, query_tile, init)
         return dqn, dqr, dkn.at[:, j].set(dkn_j), dkr.at[:, j].set(dkr_j), dv.at[:, j].set(dv_j)
 
-    zeros = lambda x: jnp.zeros(x.shape, F32)     # noqa: E731
-    refs = (qn, qr, kn, kr, v, seg, o, lse, do)
     return jax.lax.fori_loop(0, n, key_tile, _like(tuple(zeros(x) for x in (qn, qr, kn, kr, v)), *refs))
 
 
