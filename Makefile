@@ -1,9 +1,10 @@
-# Two commands: `make demo` and `make test`. Each creates .venv when missing.
+# `make demo`, `make test` (the whole suite; what CI runs) and `make check` (the fast tier: unit
+# and parity tests, a few minutes). Each creates .venv when missing.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test venv
+.PHONY: demo test check venv
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -21,3 +22,6 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15
+
+check: $(VENV)/.installed-test
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not slow" --durations=10

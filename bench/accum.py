@@ -44,14 +44,14 @@ def measure(config: str | Path, overrides: Sequence[str] = (), accums: Sequence[
     import numpy as np
 
     from r1jax import config as configlib
-    from r1jax.parallel.mesh import single_device_mesh
-    from r1jax.train import optim
-    from r1jax.train.step import batch_sharding, build, make_train_step
+    from r1jax.parallel.mesh import batch_sharding, single_device_mesh
+    from r1jax.train.step import build, make_train_step
 
     base = [*overrides, "mesh.data=1"]
     cfg = configlib.load(config, base)
     t = cfg.train
-    mesh, graphdef, state, shardings, tx, _ = build(cfg, single_device_mesh())
+    setup = build(cfg, single_device_mesh())
+    mesh, graphdef, state, shardings, tx = setup.mesh, setup.graphdef, setup.state, setup.shardings, setup.tx
     jax.block_until_ready(state)     # the asynchronous init would otherwise share the cores with compile
     param_bytes = sum(a.nbytes for a in jax.tree.leaves(state["params"]))
     B, T = t.global_batch_size, cfg.data.seq_len
@@ -66,7 +66,7 @@ def measure(config: str | Path, overrides: Sequence[str] = (), accums: Sequence[
     rows = []
     for a in accums:
         acfg = configlib.load(config, [*base, f"train.grad_accum={a}"])
-        step = make_train_step(graphdef, tx, acfg, mesh, shardings, optim.schedule(acfg.optim, acfg.train.steps))
+        step = make_train_step(graphdef, tx, acfg, mesh, shardings)
         t0 = time.perf_counter()
         compiled = step.lower(state, abstract_batch).compile(compiler_options)
         row = {"grad_accum": a, "microbatch_rows": B // a, "seq_len": T, "vocab_size": acfg.model.vocab_size,

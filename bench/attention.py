@@ -1,4 +1,4 @@
-"""Attention against sequence length: the train step's memory and time with `model.attention=dense`
+"""Attention against sequence length: the train step's memory and time with `kernels.attention=dense`
 and `=flash` as one row of a model grows from 512 to 4096 tokens.
 
     python bench/attention.py [--config bench/configs/dense_small.yaml] [--seq 512 1024 2048 4096]
@@ -33,15 +33,16 @@ def measure(config: str | Path, seq: int, block: int, steps: int, overrides: lis
     import numpy as np
 
     from r1jax import config as configlib
-    from r1jax.parallel.mesh import single_device_mesh
-    from r1jax.train.step import batch_sharding, build
+    from r1jax.parallel.mesh import batch_sharding, single_device_mesh
+    from r1jax.train.step import build
 
     runs = {}
     for impl in ("dense", "flash"):
         cfg = configlib.load(config, [*overrides, "mesh.data=1", "train.global_batch_size=1", f"data.seq_len={seq}",
-                                      f"model.max_position_embeddings={max(seq, 1024)}", f"model.attention={impl}",
-                                      f"model.attention_block={block}"])
-        mesh, _, state, _, _, step = build(cfg, single_device_mesh())
+                                      f"model.max_position_embeddings={max(seq, 1024)}", f"kernels.attention={impl}",
+                                      f"kernels.attention_block={block}"])
+        setup = build(cfg, single_device_mesh())
+        mesh, state, step = setup.mesh, setup.state, setup.step
         ids = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (1, seq))
         batch = jax.device_put({"ids": jnp.asarray(ids, jnp.int32), "segment_ids": jnp.ones((1, seq), jnp.int32),
                                 "positions": jnp.arange(seq, dtype=jnp.int32)[None]}, batch_sharding(mesh))

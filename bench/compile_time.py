@@ -48,18 +48,19 @@ def measure(config: str | Path, overrides: Sequence[str] = (), compiler_options:
 
     from r1jax import config as configlib
     from r1jax.parallel import mesh as meshlib
-    from r1jax.train.step import batch_sharding, build
+    from r1jax.train.step import build
 
     t0 = time.perf_counter()
     cfg = configlib.load(config, [*overrides, "mesh.data=1"])
     t = cfg.train
     mesh = meshlib.single_device_mesh()
-    _, _, state, _, _, step = build(cfg, mesh)
+    setup = build(cfg, mesh)
+    state, step = setup.state, setup.step
     # Initialisation is dispatched asynchronously: unless it has finished, its random draws run on
     # the same cores as the tracing and compiling timed below (at 32 layers, seconds of them).
     jax.block_until_ready(state)
     B, T = t.global_batch_size, cfg.data.seq_len
-    batch = {k: jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=batch_sharding(mesh))
+    batch = {k: jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=meshlib.batch_sharding(mesh))
              for k in ("ids", "segment_ids", "positions")}
     out = {"layers": cfg.model.num_hidden_layers, "dense_layers": cfg.model.first_k_dense_replace,
            "moe_layers": cfg.model.num_moe_layers, "build_s": time.perf_counter() - t0}

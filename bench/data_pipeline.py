@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from r1jax import config as configlib
     from r1jax.data import tokenizer as toklib
-    from r1jax.data.corpus import describe, open_corpus
+    from r1jax.data.sources import describe, open_corpus
     from r1jax.data.pipeline import lm_batches, split_documents
 
     cfg = configlib.load(args.config)

@@ -34,8 +34,8 @@ run() {   # name, then r1jax.bench arguments
 }
 run dense_1b --config bench/configs/dense_1b.yaml --dtypes bf16
 run dense_1b_remat_none --config bench/configs/dense_1b.yaml --dtypes bf16 train.remat=none
-run moe_gpu_ragged --config bench/configs/moe_gpu.yaml --dtypes bf16 model.moe_dispatch=ragged
-run moe_gpu_capacity --config bench/configs/moe_gpu.yaml --dtypes bf16 model.moe_dispatch=capacity
+run moe_gpu_ragged --config bench/configs/moe_gpu.yaml --dtypes bf16 kernels.moe_dispatch=ragged
+run moe_gpu_capacity --config bench/configs/moe_gpu.yaml --dtypes bf16 kernels.moe_dispatch=capacity
 
 echo; echo "=== summary ($(date -u +%FT%TZ))"
 for f in "$OUT"/*.md; do [ -f "$f" ] && { echo "--- $f"; grep '^| r1jax' "$f"; }; done

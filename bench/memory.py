@@ -92,9 +92,10 @@ def measure(overrides: list[str], config: str | Path = TINY, compile: bool = Tru
     from flax import nnx
 
     from r1jax import config as configlib
+    from r1jax import logical
     from r1jax.parallel import mesh as meshlib
     from r1jax.parallel import pipeline
-    from r1jax.train.step import batch_sharding, build
+    from r1jax.train.step import build
 
     out: dict = {"config": _rel(config),
                  "overrides": list(overrides)}
@@ -110,21 +111,22 @@ def measure(overrides: list[str], config: str | Path = TINY, compile: bool = Tru
             out["pipeline"] = {"schedule": cfg.pipeline.schedule.value, "stages": P, "microbatches": t.microbatches,
                                "repeats": R, "bubble": pipeline.bubble(P, t.microbatches, R),
                                "moe_layers": cfg.model.num_moe_layers, "slots": layout.slots if layout is not None else None}
-        _, _, state, _, _, step = build(cfg, mesh)
+        setup = build(cfg, mesh)
+        state, step = setup.state, setup.step
 
         held = {k: state[k] for k in ("params", "rest", "opt")}
         out["param_opt_bytes"] = sum(_shard_nbytes(a) for a in jax.tree.leaves(held))
         out["param_opt_bytes_global"] = sum(_full_nbytes(a) for a in jax.tree.leaves(held))
         variables = [*nnx.to_flat_state(state["params"]), *nnx.to_flat_state(state["rest"])]
         out["param_bytes"] = sum(_shard_nbytes(v.get_value()) for _, v in variables)
-        out["arrays"] = {_path(p): {"shape": list(a.shape), "logical": list(v.get_metadata().get("out_sharding") or ()),
+        out["arrays"] = {_path(p): {"shape": list(a.shape), "logical": list(logical.names_of(v)),
                                     "spec": [s if s is None or isinstance(s, str) else list(s) for s in a.sharding.spec],
                                     "shard_bytes": _shard_nbytes(a), "bytes": _full_nbytes(a)}
                          for p, v in variables for a in [v.get_value()]}
 
         if compile:
             B, T = t.global_batch_size, cfg.data.seq_len
-            bs = batch_sharding(mesh)
+            bs = meshlib.batch_sharding(mesh)
             batch = {k: jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=bs) for k in ("ids", "segment_ids", "positions")}
             jax.block_until_ready(state)    # initialisation is asynchronous: keep it out of the compile time
             t0 = time.perf_counter()
@@ -335,8 +337,8 @@ def pipeline_bubble(stages: int, m: int, repeats: int = 1) -> float:
 def _kind(path: str) -> str:
     """A replicated array's kind, for the summary line."""
     leaf = path.split("/")[-2] if path.endswith("/weight") else path.split("/")[-1]
-    return {"wq_b_QNH": "wq_b (q_lora x heads x head_dim)", "wkv_b_CNH": "wkv_b (kv_lora x heads x head_dim)",
-            "router_bias_E": "router biases"}.get(leaf, "norm weights" if "norm" in leaf else leaf)
+    return {"wq_b_QNH": "wq_b (q_lora x heads x head_dim)", "wk_b_CNK": "wk_b (kv_lora x heads x nope_dim)",
+            "wv_b_CNV": "wv_b (kv_lora x heads x v_dim)", "router_bias_E": "router biases"}.get(leaf, "norm weights" if "norm" in leaf else leaf)
 
 
 if __name__ == "__main__":

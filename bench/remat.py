@@ -45,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
         batch = {"ids": jnp.asarray(np.random.default_rng(0).integers(0, cfg.model.vocab_size, (B, T)), jnp.int32),
                  "segment_ids": jnp.ones((B, T), jnp.int32),
                  "positions": jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))}
-        _, _, state, _, _, step = build(cfg, single_device_mesh())
+        setup = build(cfg, single_device_mesh())
+        state, step = setup.state, setup.step
         jax.block_until_ready(state)        # initialisation is asynchronous: keep it out of the compile time
         t0 = time.perf_counter()
         compiled = step.lower(state, batch).compile()

@@ -4,8 +4,11 @@ OmegaConf structured configs do the type checking (wrong types, unknown keys, ba
 `validate` adds the cross-field rules (divisibility, ranges). Every failure is a `ConfigError`
 whose message is one line naming the key and what is allowed; the CLIs print it and exit 2.
 
-Model keys are spelled as in Hugging Face's `DeepseekV3Config`, with its defaults (which are
-DeepSeek-V3/R1's dimensions), so a config.json from a DeepSeek checkpoint maps one to one.
+Sections: `model` is the architecture, spelled as Hugging Face's `DeepseekV3Config` with its
+defaults (DeepSeek-V3/R1's dimensions) so a DeepSeek config.json maps one to one, plus where the
+model comes from (`hf_config`, `init_from`). How it computes is `kernels`, the training objective
+and its weights `loss`, the rest `mesh`, `pipeline`, `data`, `optim`, `train`, `checkpoint`,
+`distributed`. `architecture()` is the one definition of which keys make a checkpoint's model.
 """
 from __future__ import annotations
 
@@ -45,7 +48,12 @@ class MoEDispatch(str, enum.Enum):
 
 class AttentionImpl(str, enum.Enum):
     dense = "dense"    # whole [T, S] scores (the parity-measured path; fastest at short T)
-    flash = "flash"    # blocks of model.attention_block positions; memory linear in T
+    flash = "flash"    # blocks of kernels.attention_block positions; memory linear in T
+
+
+class ObjectiveKind(str, enum.Enum):
+    lm = "lm"                # next-token (+ MTP) cross-entropy on every target in a segment
+    masked_lm = "masked_lm"  # the same, only on targets where batch["loss_mask"] is set
 
 
 class DType(str, enum.Enum):
@@ -131,16 +139,8 @@ class ModelConfig:
     bos_token_id: Optional[int] = 0
     eos_token_id: Optional[int] = 1
     pad_token_id: Optional[int] = None
-    # --- r1jax keys ---
-    mtp_loss_weight: float = 0.3       # lambda in L = L_main + lambda * mean_k L_mtp^k
-    bias_update_rate: float = 0.001    # gamma of the aux-loss-free balancing update (0: frozen)
-    seq_aux_loss_alpha: float = 0.0001 # alpha of the sequence-wise balance loss (0: off)
+    # --- where the model comes from (not architecture; see SOURCE_KEYS) ---
     init_from: Optional[str] = None    # start from weights: "hf:PATH" (HF dir) or "orbax:PATH" (r1jax ckpt)
-    moe_dispatch: MoEDispatch = MoEDispatch.auto
-    capacity_factor: float = 1.25      # only for moe_dispatch=capacity
-    moe_tile_size: int = 64            # rows per expert tile for moe_dispatch=dropless
-    attention: AttentionImpl = AttentionImpl.dense  # how MLA's softmax(qk)v core runs
-    attention_block: int = 512         # positions per query/key block for attention=flash
     hf_config: Optional[str] = None    # load the keys above from an HF config.json first
 
     @property
@@ -150,6 +150,57 @@ class ModelConfig:
     @property
     def num_moe_layers(self) -> int:
         return self.num_hidden_layers - self.first_k_dense_replace
+
+
+# Where a model comes from, not what it is: the two `model` keys that are not HF config keys.
+SOURCE_KEYS = ("init_from", "hf_config")
+# HF keys that a checkpoint may differ in and still hold this model's weights: initialisation,
+# special token ids, the context length (rope is computed, never stored) and the MTP depth
+# (modules a source lacks start fresh; extra ones are not read).
+NOT_ARCHITECTURE = ("initializer_range", "bos_token_id", "eos_token_id", "pad_token_id",
+                    "max_position_embeddings", "num_nextn_predict_layers")
+# Keys that left the `model` section: a config that still sets one is refused with its new place.
+MOVED = {"model.mtp_loss_weight": "loss.mtp_loss_weight", "model.seq_aux_loss_alpha": "loss.seq_aux_loss_alpha",
+         "model.bias_update_rate": "optim.bias_update_rate", "model.moe_dispatch": "kernels.moe_dispatch",
+         "model.capacity_factor": "kernels.capacity_factor", "model.moe_tile_size": "kernels.moe_tile_size",
+         "model.attention": "kernels.attention", "model.attention_block": "kernels.attention_block"}
+
+
+def hf_keys() -> list[str]:
+    """The ModelConfig keys that are HF `DeepseekV3Config` keys (all but SOURCE_KEYS)."""
+    return [f.name for f in dataclasses.fields(ModelConfig) if f.name not in SOURCE_KEYS]
+
+
+def architecture(m: ModelConfig) -> dict[str, Any]:
+    """The one definition of what makes a checkpoint's architecture: the keys that fix its
+    parameters' shapes and meaning. Two configs with equal architectures share weights."""
+    d = to_dict(m)
+    return {k: d[k] for k in hf_keys() if k not in NOT_ARCHITECTURE}
+
+
+def check_same_architecture(ours: ModelConfig, theirs: ModelConfig, where: str, key: str) -> None:
+    """ConfigError (one line, naming `key`) when `theirs`, read from `where`, is another architecture."""
+    a, b = architecture(ours), architecture(theirs)
+    for k, v in a.items():
+        if b[k] != v:
+            raise ConfigError(f"{key}: {where} has {k}={b[k]} but the config says {k}={v}")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """How the model's compute runs; never what it computes (every choice is held to the others)."""
+    attention: AttentionImpl = AttentionImpl.dense  # MLA's softmax(qk)v core
+    attention_block: int = 512         # positions per query/key block for attention=flash
+    moe_dispatch: MoEDispatch = MoEDispatch.auto
+    moe_tile_size: int = 64            # rows per expert tile for moe_dispatch=dropless
+    capacity_factor: float = 1.25      # only for moe_dispatch=capacity
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+    objective: ObjectiveKind = ObjectiveKind.lm
+    mtp_loss_weight: float = 0.3       # lambda in L = L_main + lambda/D * sum_k L_mtp^k
+    seq_aux_loss_alpha: float = 0.0001 # alpha of the sequence-wise MoE balance loss (0: off)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,6 +239,7 @@ class OptimConfig:
     weight_decay: float = 0.1
     clip_norm: float = 1.0             # global-norm clipping; 0 disables
     moment_dtype: DType = DType.fp32   # storage of AdamW's mu and nu: fp32 or bf16 (DeepSeek-V3's choice)
+    bias_update_rate: float = 0.001    # gamma of the aux-loss-free router-bias update (0: frozen)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,6 +282,8 @@ class DistributedConfig:
 @dataclasses.dataclass(frozen=True)
 class Config:
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    kernels: KernelConfig = dataclasses.field(default_factory=KernelConfig)
+    loss: LossConfig = dataclasses.field(default_factory=LossConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
@@ -262,14 +316,23 @@ def load(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] 
     except OmegaConfBaseException as e:
         raise ConfigError(_omegaconf_line(e)) from None
     tree = OmegaConf.to_container(merged)
+    _refuse_moved(tree)
     model = tree.get("model")
     if isinstance(model, dict) and model.get("hf_config"):
         tree["model"] = {**model_dict_from_hf(model["hf_config"]), **model}
     return from_dict(tree)
 
 
+def _refuse_moved(tree: dict[str, Any]) -> None:
+    for old, new in MOVED.items():
+        section, key = old.split(".")
+        if isinstance(tree.get(section), dict) and key in tree[section]:
+            raise ConfigError(f"{old}: moved to {new} (the model section holds the architecture only)")
+
+
 def from_dict(tree: dict[str, Any]) -> Config:
     """Typed, validated Config from a plain nested dict (e.g. a saved config.yaml)."""
+    _refuse_moved(tree)
     try:
         cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), tree))
     except OmegaConfBaseException as e:
@@ -305,7 +368,8 @@ def _fields(cls) -> list[str]:
     return [f.name for f in dataclasses.fields(cls)]
 
 
-_SECTION_TYPES = {"": Config, "model": ModelConfig, "mesh": MeshConfig, "data": DataConfig,
+_SECTION_TYPES = {"": Config, "model": ModelConfig, "kernels": KernelConfig, "loss": LossConfig,
+                  "mesh": MeshConfig, "data": DataConfig,
                   "optim": OptimConfig, "train": TrainConfig, "checkpoint": CheckpointConfig,
                   "distributed": DistributedConfig, "pipeline": PipelineConfig,
                   "model.rope_scaling": RopeScaling}
@@ -387,11 +451,7 @@ def model_dict_from_hf(path: str | Path) -> dict[str, Any]:
 
 def hf_config_dict(m: ModelConfig) -> dict[str, Any]:
     """The config.json HF `DeepseekV3Config` expects for this model (5.x spelling)."""
-    keys = [f.name for f in dataclasses.fields(ModelConfig)
-            if f.name not in ("rope_scaling", "rope_theta", "num_nextn_predict_layers", "hidden_act",
-                              "mtp_loss_weight", "bias_update_rate", "seq_aux_loss_alpha", "init_from",
-                              "moe_dispatch", "capacity_factor", "moe_tile_size", "attention", "attention_block",
-                              "hf_config")]
+    keys = [k for k in hf_keys() if k not in ("rope_scaling", "rope_theta", "num_nextn_predict_layers", "hidden_act")]
     d: dict[str, Any] = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"}
     d.update({k: getattr(m, k) for k in keys})
     d["hidden_act"] = m.hidden_act.value
@@ -419,7 +479,7 @@ def validate_model(m: ModelConfig) -> None:
     for name in ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
                  "num_hidden_layers", "num_attention_heads", "kv_lora_rank", "qk_rope_head_dim",
                  "v_head_dim", "qk_nope_head_dim", "n_group", "topk_group", "num_experts_per_tok",
-                 "max_position_embeddings", "moe_tile_size", "attention_block"):
+                 "max_position_embeddings"):
         _need(getattr(m, name) > 0, f"model.{name}={getattr(m, name)}: must be a positive integer")
     for name in ("n_shared_experts", "n_routed_experts", "first_k_dense_replace",
                  "num_nextn_predict_layers"):
@@ -448,10 +508,6 @@ def validate_model(m: ModelConfig) -> None:
               f"groups (topk_group {m.topk_group} x {E // G} per group = {kept})")
     _need(m.rms_norm_eps > 0, f"model.rms_norm_eps={m.rms_norm_eps}: must be > 0")
     _need(m.rope_theta > 0, f"model.rope_theta={m.rope_theta}: must be > 0")
-    _need(m.capacity_factor > 0, f"model.capacity_factor={m.capacity_factor}: must be > 0")
-    _need(m.mtp_loss_weight >= 0, f"model.mtp_loss_weight={m.mtp_loss_weight}: must be >= 0")
-    _need(m.bias_update_rate >= 0, f"model.bias_update_rate={m.bias_update_rate}: must be >= 0")
-    _need(m.seq_aux_loss_alpha >= 0, f"model.seq_aux_loss_alpha={m.seq_aux_loss_alpha}: must be >= 0")
     _need(m.init_from is None or m.init_from.split(":", 1)[0] in ("hf", "orbax") and ":" in m.init_from,
           f"model.init_from={m.init_from}: must be hf:PATH or orbax:PATH")
     rs = m.rope_scaling
@@ -468,9 +524,20 @@ def validate_model(m: ModelConfig) -> None:
               f"model.{tok}={v}: must be null or in [0, vocab_size={m.vocab_size})")
 
 
+def validate_kernels(k: KernelConfig) -> None:
+    for name in ("attention_block", "moe_tile_size"):
+        _need(getattr(k, name) > 0, f"kernels.{name}={getattr(k, name)}: must be a positive integer")
+    _need(k.capacity_factor > 0, f"kernels.capacity_factor={k.capacity_factor}: must be > 0")
+
+
 def validate(cfg: Config) -> None:
     m, mesh, d, o, t, c = cfg.model, cfg.mesh, cfg.data, cfg.optim, cfg.train, cfg.checkpoint
     validate_model(m)
+    validate_kernels(cfg.kernels)
+    ls = cfg.loss
+    _need(ls.mtp_loss_weight >= 0, f"loss.mtp_loss_weight={ls.mtp_loss_weight}: must be >= 0")
+    _need(ls.seq_aux_loss_alpha >= 0, f"loss.seq_aux_loss_alpha={ls.seq_aux_loss_alpha}: must be >= 0")
+    _need(o.bias_update_rate >= 0, f"optim.bias_update_rate={o.bias_update_rate}: must be >= 0")
     moe_used = m.num_moe_layers > 0 or m.num_nextn_predict_layers > 0
 
     axes = {f.name: getattr(mesh, f.name) for f in dataclasses.fields(MeshConfig)}

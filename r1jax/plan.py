@@ -4,11 +4,11 @@
                          [--json PATH] [--check] [--no-search] [section.key=value ...]
 
 Nothing is allocated: each parameter's shape, dtype and logical axis names come from
-`r1jax.model.abstract` on a 1-device mesh, and its per-device shard from `LOGICAL_RULES` and the
+`r1jax.model.abstract` (no mesh), and its per-device shard from `LOGICAL_RULES` and the
 planned mesh sizes, by arithmetic (a 2048-device mesh is never built). What is counted, per device:
 
 - state (the step's donated arguments): fp32 master parameters, AdamW mu + nu (fp32, sharded like
-  the parameters), router biases, the step/rng/loss-scale scalars and this device's batch rows.
+  the parameters), router biases, the step and loss-scale scalars and this device's batch rows.
   With mesh.pipeline > 1 the MoE stack sits in `Layout.slots` padded slots sharded over
   `pipeline`; everything else is whole on every stage (r1jax/parallel/pipeline.py);
 - the step's temporaries (XLA's `temp`): fp32 gradients (sharded like the parameters; with
@@ -27,7 +27,7 @@ was read off its buffer assignment of the real step (XLA_FLAGS=--xla_dump_to, th
 routed dispatch sorts the tokens of the whole (pipeline) microbatch, so every device holds the
 routed buffers of *all* of them (their hidden dimension sharded over fsdp, the expert FFN width
 over tensor); and dense attention materialises fp32 scores [rows, heads/tensor, T, T], which
-dominate at 4K tokens (`model.attention=flash` keeps [rows, heads/tensor, T] and block tiles).
+dominate at 4K tokens (`kernels.attention=flash` keeps [rows, heads/tensor, T] and block tiles).
 What the CPU cannot show is modelled from the code and not measured: bf16/fp16 buffers (XLA:CPU keeps much of a bf16 step in fp32), ragged_dot (the GPU
 dispatch; counted like the dropless tiles, a row per token-expert pair), the fsdp-gathered layer.
 """
@@ -75,14 +75,14 @@ def leaves(model: configlib.ModelConfig) -> tuple[Leaf, ...]:
     """Every variable of the model in model order (no pipeline layout), from abstract shapes."""
     from flax import nnx
 
+    from r1jax import logical
     from r1jax.model import abstract
-    from r1jax.parallel.mesh import single_device_mesh
 
-    _, state = abstract(model, single_device_mesh())
+    _, state = abstract(model)
     out = []
     for path, var in nnx.to_flat_state(state):
         v = var.get_value()
-        names = tuple(var.get_metadata().get("out_sharding") or (None,) * len(v.shape))
+        names = logical.names_of(var) or (None,) * len(v.shape)
         out.append(Leaf("/".join(map(str, path)), tuple(v.shape), v.dtype.itemsize, names,
                         isinstance(var, nnx.Param)))
     return tuple(out)
@@ -142,10 +142,10 @@ def _state_bytes(model: configlib.ModelConfig, layout, mesh_key: tuple) -> dict[
     parts: dict[str, int] = {}
     out = {"params": 0, "router_bias": 0, "largest_leaf": 0, "params_global": 0, "by_part": parts}
     for leaf in leaves(model):
-        shape = leaf.shape
-        if leaf.path.startswith("moe_layers/") and layout is not None:
-            shape = (layout.slots, *shape[1:])
-        n = math.prod(shard_shape(shape, leaf.names, mesh)) * leaf.itemsize
+        shape, names = leaf.shape, leaf.names
+        if leaf.path.startswith("moe_layers/") and layout is not None:    # as pipeline.to_slots places it
+            shape, names = (layout.slots, *shape[1:]), ("stages", *names[1:])
+        n = math.prod(shard_shape(shape, names, mesh)) * leaf.itemsize
         if leaf.trainable:
             out["params"] += n
             out["params_global"] += math.prod(leaf.shape) * leaf.itemsize
@@ -177,6 +177,8 @@ class Geometry:
     expert: int
     dispatch: str          # dropless | ragged | capacity (auto resolved for the backend)
     attn_block: int = 0    # flash attention's block (0: dense attention, whole [T, T] scores)
+    capacity_factor: float = 1.25   # kernels.capacity_factor
+    tile: int = 64                  # kernels.moe_tile_size
 
 
 def geometry(cfg: Config, mesh: dict[str, int], backend: str = "gpu") -> Geometry:
@@ -185,21 +187,23 @@ def geometry(cfg: Config, mesh: dict[str, int], backend: str = "gpu") -> Geometr
     shards = mesh["data"] * mesh["fsdp"] * mesh["expert"]
     rows_accum = t.global_batch_size // t.grad_accum // shards
     rows_stage = rows_accum // t.microbatches if mesh["pipeline"] > 1 else rows_accum
-    kind = m.moe_dispatch.value
+    k = cfg.kernels
+    kind = k.moe_dispatch.value
     if kind == MoEDispatch.auto.value:
         kind = "dropless" if backend == "cpu" else "ragged"
     c = lambda n: -(-n // tp)
     return Geometry(rows_accum, max(rows_stage, 1), cfg.data.seq_len, DTYPE_BYTES[t.dtype], c(m.num_attention_heads),
                     c(m.vocab_size), c(m.intermediate_size), c(m.moe_intermediate_size),
                     c(m.moe_intermediate_size * m.n_shared_experts), shards, mesh["fsdp"], mesh["expert"], kind,
-                    min(m.attention_block, cfg.data.seq_len) if m.attention is AttentionImpl.flash else 0)
+                    min(k.attention_block, cfg.data.seq_len) if k.attention is AttentionImpl.flash else 0,
+                    k.capacity_factor, k.moe_tile_size)
 
 
 def _scores(m: configlib.ModelConfig, g: Geometry, rows: int, phase: str) -> int:
     """Bytes of attention's score-sized tensors in a phase: `saved` for the backward, `forward`
     and `backward` transients. Dense attention keeps fp32 scores and probabilities [rows, N, T, T];
     flash attention keeps the log-sum-exp [rows, N, T] and works on [rows, N, b, b] tiles, with
-    fp32 dQ and output accumulators (r1jax/model/flash.py)."""
+    fp32 dQ and output accumulators (r1jax/kernels/flash.py)."""
     T, N = g.seq, g.heads
     if not g.attn_block:
         return {"saved": 2, "forward": 3, "backward": 4}[phase] * rows * N * T * T * F32
@@ -224,11 +228,11 @@ def _routed_rows(m: configlib.ModelConfig, g: Geometry, rows: int, local_sort: b
     Without expert parallelism the sort runs over the whole (pipeline) microbatch, replicated on
     every batch shard (XLA gathers the tokens), and the buffers' hidden dimension inherits the
     weights' fsdp sharding; with it, each device gathers the tokens of its expert group
-    (r1jax/parallel/expert.py) and holds E/expert experts. `local_sort`: the batch axes are
+    (r1jax/kernels/expert_parallel.py) and holds E/expert experts. `local_sort`: the batch axes are
     manual (1F1B), so only this device's tokens."""
     k, E = m.num_experts_per_tok, m.n_routed_experts
     if g.expert > 1 and g.dispatch == "capacity":    # all_to_all: C slots per expert from each source
-        cap = max(1, math.ceil(m.capacity_factor * rows * g.seq * k / E))
+        cap = max(1, math.ceil(g.capacity_factor * rows * g.seq * k / E))
         return (E // g.expert) * g.expert * cap, m.hidden_size, rows * g.seq * k
     if g.expert > 1:
         tokens, experts, width = rows * g.seq * g.expert, E // g.expert, m.hidden_size
@@ -238,9 +242,9 @@ def _routed_rows(m: configlib.ModelConfig, g: Geometry, rows: int, local_sort: b
         tokens, experts, width = rows * g.seq * g.batch_shards, E, -(-m.hidden_size // g.fsdp)
     pairs = tokens * k
     if g.dispatch == "capacity":
-        n = experts * max(1, math.ceil(m.capacity_factor * tokens * k / E))
-    elif g.dispatch == "dropless" or g.expert > 1:   # expert parallelism runs the dropless tiles (expert.py)
-        tile = m.moe_tile_size
+        n = experts * max(1, math.ceil(g.capacity_factor * tokens * k / E))
+    elif g.dispatch == "dropless" or g.expert > 1:   # expert parallelism runs the dropless tiles (kernels/expert_parallel.py)
+        tile = g.tile
         n = -(-(pairs + experts * (tile - 1)) // tile) * tile
     else:                                              # ragged / loop: one row per pair
         n = pairs
@@ -411,7 +415,7 @@ def _phases(cfg: Config, mesh: dict[str, int], st: dict, g: Geometry) -> list[tu
     ra, rs = g.rows_accum, g.rows_stage
     parts = st["by_part"]
     grads_all = st["grads"]
-    g_head = parts.get("lm_head_DV", 0) + parts.get("final_norm", 0) + parts.get("mtp", 0)
+    g_head = parts.get("lm_head_DW", 0) + parts.get("final_norm", 0) + parts.get("mtp", 0)
     g_moe = parts.get("moe_layers", 0)
     accum = grads_all if t.grad_accum > 1 else 0       # the scanned running sum of the gradients
 
@@ -566,7 +570,7 @@ def evaluate(cfg: Config, mesh: dict[str, int], hardware: str, backend: str = "g
     g = geometry(cfg, mesh, backend)
     t = cfg.train
     batch = 3 * (t.global_batch_size // g.batch_shards) * cfg.data.seq_len * 4    # ids, segment_ids, positions
-    small = 4 + 8 + 4 + 4                                                            # step, rng, loss scale
+    small = 4 + 4 + 4                                                                # step, loss scale
     arg = st["params"] + st["opt"] + st["router_bias"] + small + batch
     act = activation_peak(cfg, mesh, st, g)
     capacity = HARDWARE_MIB[hardware] * 2**20
@@ -728,33 +732,25 @@ def measure(cfg: Config, mesh_shape: dict[str, int]) -> dict[str, int]:
     the first prod(mesh) local devices, lowered from abstract state (nothing allocated)."""
     import jax
     import jax.numpy as jnp
-    from flax import nnx
 
-    from r1jax import model as modellib
+    from r1jax import weights
     from r1jax.parallel import mesh as meshlib
     from r1jax.parallel import pipeline
     from r1jax.train import optim
-    from r1jax.train.step import _shardings, batch_sharding, make_train_step, split_model
+    from r1jax.train import state as statelib
+    from r1jax.train.step import make_train_step
 
     mesh_cfg = _mesh_config(mesh_shape)
     cfg = dataclasses.replace(cfg, mesh=mesh_cfg)
     n = math.prod(mesh_shape.get(a, 1) for a in AXES)
     mesh = meshlib.make_mesh(mesh_cfg, jax.devices()[:n])
-    layout = pipeline.mesh_layout(cfg, mesh)
     t = cfg.train
-    graphdef, abs_state = modellib.abstract(cfg.model, mesh, modellib.COMPUTE_DTYPES[t.dtype], t.remat, layout)
-    with meshlib.activate(mesh):
-        graphdef, params, rest = split_model(nnx.merge(graphdef, abs_state))
+    graphdef, target = weights.target(cfg, mesh, pipeline.mesh_layout(cfg, mesh))
     tx = optim.make(cfg.optim, t.steps)
-    sds = jax.ShapeDtypeStruct
-    small = {"step": sds((), jnp.int32), "rng": sds((2,), jnp.uint32),
-             "loss_scale": {"scale": sds((), jnp.float32), "good_steps": sds((), jnp.int32)}}
-    tree = {"params": params, "rest": rest, "opt": jax.eval_shape(tx.init, params), **small}
-    shardings = _shardings(tree, mesh)
-    state = jax.tree.map(lambda a, s: sds(a.shape, a.dtype, sharding=s), tree, shardings)
-    step = make_train_step(graphdef, tx, cfg, mesh, shardings, optim.schedule(cfg.optim, t.steps))
-    bs = batch_sharding(mesh)
-    batch = {k: sds((t.global_batch_size, cfg.data.seq_len), jnp.int32, sharding=bs)
+    state, shardings = statelib.abstract(target, tx, cfg, mesh)
+    step = make_train_step(graphdef, tx, cfg, mesh, shardings)
+    bs = meshlib.batch_sharding(mesh)
+    batch = {k: jax.ShapeDtypeStruct((t.global_batch_size, cfg.data.seq_len), jnp.int32, sharding=bs)
              for k in ("ids", "segment_ids", "positions")}
     # LLVM's optimisation level changes code, not buffers: level 0 compiles ~2x faster on CPU
     options = {"xla_backend_optimization_level": 0} if jax.default_backend() == "cpu" else {}

@@ -1,5 +1,6 @@
 """Shared by the tests that train tiny.yaml a few steps and compare runs: the same packed batches
-(two documents a row) on any mesh."""
+(two documents a row) on any mesh; with `loss.objective=masked_lm` in the overrides the batches
+carry a random loss_mask (about 70% of the tokens are targets)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,26 +8,36 @@ from pathlib import Path
 import numpy as np
 
 from r1jax import config as configlib
+from r1jax.config import ObjectiveKind
 from r1jax.parallel import mesh as meshlib
 from r1jax.train.step import build
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
 
 
-def train_tiny(overrides: list[str], devices: list, steps: int):
-    """`steps` train steps of tiny.yaml + `overrides` on `devices`, each on fresh random tokens
-    (seed 0) in rows of two packed documents. Returns (cfg, mesh, state, shardings, losses)."""
-    cfg = configlib.load(TINY, overrides)
-    mesh, _, state, shardings, _, step = build(cfg, meshlib.make_mesh(cfg.mesh, devices))
-    rng = np.random.default_rng(0)
+def tiny_batches(cfg, steps: int, seed: int = 0) -> list[dict]:
+    rng = np.random.default_rng(seed)
     B, T = cfg.train.global_batch_size, cfg.data.seq_len
     seg = np.ones((B, T), np.int32)
     seg[:, T // 2:] = 2
     pos = np.concatenate([np.arange(T // 2), np.arange(T - T // 2)])[None].repeat(B, 0).astype(np.int32)
-    losses = []
+    out = []
     for _ in range(steps):
         batch = {"ids": rng.integers(0, cfg.model.vocab_size, (B, T)).astype(np.int32),
                  "segment_ids": seg, "positions": pos}
-        state, m = step(state, batch)
+        if cfg.loss.objective is ObjectiveKind.masked_lm:
+            batch["loss_mask"] = (rng.random((B, T)) < 0.7).astype(np.int32)
+        out.append(batch)
+    return out
+
+
+def train_tiny(overrides: list[str], devices: list, steps: int):
+    """`steps` train steps of tiny.yaml + `overrides` on `devices`, each on fresh random tokens
+    (seed 0) in rows of two packed documents. Returns (cfg, mesh, state, shardings, losses)."""
+    cfg = configlib.load(TINY, overrides)
+    setup = build(cfg, meshlib.make_mesh(cfg.mesh, devices))
+    state, losses = setup.state, []
+    for batch in tiny_batches(cfg, steps):
+        state, m = setup.step(state, batch)
         losses.append(float(m["loss"]))
-    return cfg, mesh, state, shardings, losses
+    return cfg, setup.mesh, state, setup.shardings, losses

@@ -18,7 +18,7 @@ import pytest
 from r1jax import config as configlib
 from r1jax import model as modellib
 from r1jax import plan
-from r1jax.model.flash import flash_attention
+from r1jax.kernels.flash import flash_attention
 from r1jax.model.mla import dense_attention
 from runs import train_tiny
 
@@ -61,6 +61,7 @@ def test_flash_in_bf16_is_as_close_to_fp32_as_dense_is():
     assert err_flash <= err_dense * 1.25, (err_flash, err_dense)
 
 
+@pytest.mark.slow
 def test_model_trains_the_same_with_flash_attention():
     """3 AdamW steps of tiny (MTP on, two packed documents a row, 4 blocks of 16, full remat so the
     custom VJP runs under jax.checkpoint) from the same weights: the losses and the final parameters
@@ -68,7 +69,7 @@ def test_model_trains_the_same_with_flash_attention():
     runs = {}
     for attention in ("dense", "flash"):
         _, _, state, _, losses = train_tiny(["mesh.data=1", "train.steps=10", "train.remat=full",
-                                             f"model.attention={attention}", "model.attention_block=16"],
+                                             f"kernels.attention={attention}", "kernels.attention_block=16"],
                                             jax.devices()[:1], steps=3)
         runs[attention] = losses, {p: np.asarray(v) for p, v in modellib.leaves(state["params"]).items()}
     (dense_losses, dense_params), (flash_losses, flash_params) = runs["dense"], runs["flash"]
@@ -77,6 +78,7 @@ def test_model_trains_the_same_with_flash_attention():
         np.testing.assert_allclose(flash_params[p], v, atol=2e-6, rtol=0, err_msg=str(p))
 
 
+@pytest.mark.slow
 def test_flash_memory_grows_linearly_and_the_planner_knows():
     """The train step's temporary memory (XLA's memory_analysis) at 1K and 2K tokens a row: flash
     needs a fraction of dense's, and doubling the sequence roughly doubles it where dense's roughly
@@ -86,7 +88,7 @@ def test_flash_memory_grows_linearly_and_the_planner_knows():
     def cfg(attention: str, T: int) -> configlib.Config:
         return configlib.load(ROOT / "configs" / "tiny.yaml", [
             "mesh.data=1", "train.global_batch_size=1", f"data.seq_len={T}", "model.max_position_embeddings=2048",
-            "model.num_nextn_predict_layers=0", f"model.attention={attention}", "model.attention_block=128"])
+            "model.num_nextn_predict_layers=0", f"kernels.attention={attention}", "kernels.attention_block=128"])
     temp = {(a, T): plan.measure(cfg(a, T), one)["temp"] for a in ("dense", "flash") for T in (1024, 2048)}
     print({k: f"{v / 2**20:.1f} MiB" for k, v in temp.items()})
     assert temp["flash", 2048] < temp["dense", 2048] / 4, temp

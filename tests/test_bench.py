@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow      # whole runs, meshes or processes: `make test`, not `make check`
+
 ROOT = Path(__file__).resolve().parents[1]
-SAME = ["model.num_nextn_predict_layers=0", "model.bias_update_rate=0", "model.seq_aux_loss_alpha=0", "mesh.data=1"]
+SAME = ["model.num_nextn_predict_layers=0", "optim.bias_update_rate=0", "loss.seq_aux_loss_alpha=0", "mesh.data=1"]
 
 
 def _bench(*args: str) -> subprocess.CompletedProcess:

@@ -7,9 +7,13 @@ The rules map `embed` (hidden_size) and, for MLA's wq_b and wkv_b, the latent in
 device. This test pins which arrays those are, so a new unsharded array shows up here."""
 from __future__ import annotations
 
+import pytest
+
 import importlib.util
 import sys
 from pathlib import Path
+
+pytestmark = pytest.mark.slow      # whole runs, meshes or processes: `make test`, not `make check`
 
 ROOT = Path(__file__).resolve().parents[1]
 # the logical axes LOGICAL_RULES maps to fsdp; arrays without one may stay whole

@@ -35,12 +35,18 @@ BAD = {
     "two free mesh axes": (["mesh.fsdp=-1"], "mesh"),
     "negative lr": (["optim.lr=-1"], "optim.lr"),
     "fp16 Adam moments": (["optim.moment_dtype=fp16"], "optim.moment_dtype=fp16: must be fp32 or bf16"),
-    "zero attention block": (["model.attention_block=0"], "model.attention_block=0: must be a positive integer"),
+    "zero attention block": (["kernels.attention_block=0"], "kernels.attention_block=0: must be a positive integer"),
     "zero steps": (["train.steps=0"], "train.steps"),
     "text source without paths": (["data.source=text"], "data.paths"),
     "dense prefix beyond depth": (["model.first_k_dense_replace=9"], "model.first_k_dense_replace"),
     "override without =": (["train.steps"], "train.steps"),
     "mesh product differs from devices": (["mesh.data=2", "mesh.tensor=2"], "mesh"),
+    "kernel key in the model section": (["model.moe_dispatch=dropless"],
+                                        "model.moe_dispatch: moved to kernels.moe_dispatch"),
+    "loss key in the model section": (["model.mtp_loss_weight=0.5"], "model.mtp_loss_weight: moved to loss.mtp_loss_weight"),
+    "bias rate in the model section": (["model.bias_update_rate=0"],
+                                       "model.bias_update_rate: moved to optim.bias_update_rate"),
+    "unknown objective": (["loss.objective=dpo"], "loss.objective"),
 }
 
 
@@ -56,7 +62,8 @@ def test_bad_config_is_one_line_and_exit_2(case, capsys, tmp_path):
     print(f"\n{case}: {err[0]}")
 
 
-@pytest.mark.parametrize("text,key", [("model: [1, 2", "not valid YAML"), ("- a\n- b\n", "top level")])
+@pytest.mark.parametrize("text,key", [("model: [1, 2", "not valid YAML"), ("- a\n- b\n", "top level"),
+                                      ("model:\n  attention: flash\n", "model.attention: moved to kernels.attention")])
 def test_bad_yaml_file(text, key, tmp_path, capsys):
     p = tmp_path / "bad.yaml"
     p.write_text(text)

@@ -80,8 +80,8 @@ def test_bf16_checkpoint_loads(hf_dir, tmp_path):
     assert t["model.layers.1.mlp.gate.weight"].dtype == np.float32            # router stays fp32
     assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
     _, m16 = hf.load(tmp_path / "bf16")
-    w = np.asarray(modellib.leaves(nnx.state(model))[("embed", "embedding_VD")])
-    w16 = np.asarray(modellib.leaves(nnx.state(m16))[("embed", "embedding_VD")])
+    w = np.asarray(modellib.leaves(nnx.state(model))[("embed", "embedding_WD")])
+    w16 = np.asarray(modellib.leaves(nnx.state(m16))[("embed", "embedding_WD")])
     assert np.array_equal(w.astype(ml_dtypes.bfloat16).astype(np.float32), w16)
 
 
@@ -121,7 +121,7 @@ def test_fp8_block_scaled_checkpoint_is_dequantised(hf_dir, tmp_path):
     checked = 0
     for e in main_entries(cfg):
         if e.key in expect:
-            assert np.array_equal(e.to_hf(np.asarray(got[e.path])[e.index]), expect[e.key]), e.key
+            assert np.array_equal(e.gather(got.__getitem__), expect[e.key]), e.key
             checked += 1
     assert checked > 10
 
@@ -189,6 +189,7 @@ MEMORY_PROBE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_conversion_peak_memory_is_model_plus_largest_tensor(tmp_path):
     """Both directions, in fresh processes: peak RSS above the post-import baseline must stay under
     the model's size plus its largest tensor (the conversion never holds two copies)."""

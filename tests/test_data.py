@@ -18,7 +18,7 @@ from r1jax import config as configlib
 from r1jax.config import ConfigError, DataConfig, DataSource, TextMode
 from r1jax.data import text as textlib
 from r1jax.data import tokenizer as toklib
-from r1jax.data.corpus import describe, open_corpus
+from r1jax.data.sources import describe, open_corpus
 from r1jax.data.pipeline import lm_batches, split_documents
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()

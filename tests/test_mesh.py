@@ -13,9 +13,12 @@ import pytest
 
 from r1jax import config as configlib
 from r1jax import model as modellib
+from r1jax import weights
 from r1jax.parallel import mesh as meshlib
 from r1jax.parallel import pipeline
 from runs import train_tiny
+
+pytestmark = pytest.mark.slow      # whole runs, meshes or processes: `make test`, not `make check`
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 10
@@ -29,35 +32,51 @@ def _run(overrides: list[str], devices: list, steps: int = STEPS):
     return train_tiny(COMMON + overrides, devices, steps)
 
 
-@pytest.fixture(scope="module")
-def reference():
-    _, _, state, _, losses = _run(["mesh.data=1"], jax.devices()[:1])
+MASKED = ["loss.objective=masked_lm"]
+
+
+def _reference(extra):
+    _, _, state, _, losses = _run(["mesh.data=1", *extra], jax.devices()[:1])
     return losses, {p: np.asarray(v) for p, v in modellib.leaves(state["params"]).items()}
 
 
+@pytest.fixture(scope="module")
+def reference():
+    return _reference([])
+
+
+@pytest.fixture(scope="module")
+def masked_reference():
+    return _reference(MASKED)
+
+
+# The masked objective (loss only where batch["loss_mask"]) runs on one mesh per schedule: without
+# a pipeline (with grad_accum), GPipe, 1F1B and circular; the batch dict's extra key is split
+# with the rows by each of them. Its reference is the 1-device masked run.
 MESHES = {
     "data8": ["mesh.data=8"],
     "fsdp8": ["mesh.data=1", "mesh.fsdp=8"],
     # flash attention with its heads over tensor (and inside the pipelines' shard_map below)
-    "data2_tensor4_flash": ["mesh.data=2", "mesh.tensor=4", "model.attention=flash", "model.attention_block=16"],
-    "data2_fsdp2_tensor2": ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"],
+    "data2_tensor4_flash": ["mesh.data=2", "mesh.tensor=4", "kernels.attention=flash", "kernels.attention_block=16"],
+    "data2_fsdp2_tensor2_accum2_masked": ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "train.grad_accum=2", *MASKED],
     "expert4_data2": ["mesh.data=2", "mesh.expert=4"],                        # dropless: gather/scatter
-    "expert4_data2_capacity": ["mesh.data=2", "mesh.expert=4", "model.moe_dispatch=capacity",
-                               "model.capacity_factor=4.0"],                # all_to_all, cap = T_local
+    "expert4_data2_capacity": ["mesh.data=2", "mesh.expert=4", "kernels.moe_dispatch=capacity",
+                               "kernels.capacity_factor=4.0"],                # all_to_all, cap = T_local
     # tiny has 2 MoE layers: 1 per stage on 2 stages; on 4 stages (and on 2 x 2 virtual stages)
     # two of them are padding, which exercises uneven layer counts
-    "pipeline2_data4_gpipe": ["mesh.data=4", "mesh.pipeline=2", "train.microbatches=2"],
-    "pipeline4_data2_1f1b": ["mesh.data=2", "mesh.pipeline=4", "train.microbatches=4", "pipeline.schedule=1f1b",
-                             "model.attention=flash", "model.attention_block=16"],
-    "pipeline2_tensor2_data2_circular": ["mesh.data=2", "mesh.tensor=2", "mesh.pipeline=2", "train.microbatches=2",
-                                         "pipeline.schedule=circular", "pipeline.repeats=2",
-                                         "model.attention=flash", "model.attention_block=16"],
+    "pipeline2_data4_gpipe_masked": ["mesh.data=4", "mesh.pipeline=2", "train.microbatches=2", *MASKED],
+    "pipeline4_data2_1f1b_masked": ["mesh.data=2", "mesh.pipeline=4", "train.microbatches=4", "pipeline.schedule=1f1b",
+                                    "kernels.attention=flash", "kernels.attention_block=16", *MASKED],
+    "pipeline2_tensor2_data2_circular_masked": ["mesh.data=2", "mesh.tensor=2", "mesh.pipeline=2",
+                                                "train.microbatches=2", "pipeline.schedule=circular",
+                                                "pipeline.repeats=2", "kernels.attention=flash",
+                                                "kernels.attention_block=16", *MASKED],
 }
 
 
 @pytest.mark.parametrize("name", list(MESHES))
-def test_mesh_equals_one_device(name, reference):
-    ref_losses, ref_params = reference
+def test_mesh_equals_one_device(name, request):
+    ref_losses, ref_params = request.getfixturevalue("masked_reference" if name.endswith("_masked") else "reference")
     cfg, mesh, state, shardings, losses = _run(MESHES[name], jax.devices())
     d_loss = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
     params = {p: np.asarray(v) for p, v in modellib.leaves(state["params"]).items()}
@@ -80,8 +99,7 @@ def test_mesh_equals_one_device(name, reference):
 def test_params_are_born_sharded():
     cfg = configlib.load(ROOT / "configs" / "tiny.yaml", ["mesh.data=1", "mesh.fsdp=8"])
     mesh = meshlib.make_mesh(cfg.mesh)
-    model = modellib.build(cfg.model, mesh)
-    emb = model.embed.embedding_VD[...]
+    emb = modellib.leaves(weights.fresh(cfg, mesh))[("embed", "embedding_WD")]
     assert emb.sharding.spec[1] == "fsdp"          # vocab goes to tensor (size 1 here), embed to fsdp
     assert {s.data.shape for s in emb.addressable_shards} == {(cfg.model.vocab_size, cfg.model.hidden_size // 8)}
 

@@ -2,7 +2,6 @@
 dropped; the capacity path drops exactly the overflow pairs and reports how many."""
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import jax
@@ -10,10 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from r1jax.config import ModelConfig, MoEDispatch
-from r1jax.model import build, dispatch
+from r1jax import weights
+from r1jax.config import KernelConfig, ModelConfig, MoEDispatch
+from r1jax.kernels import dispatch
 from r1jax.model.moe import route
-from r1jax.parallel.mesh import activate, single_device_mesh
 
 E, D, F, T, K = 8, 32, 24, 40, 3
 CFG = ModelConfig(hidden_size=D, n_routed_experts=E, n_group=4, topk_group=2, num_experts_per_tok=K,
@@ -80,14 +79,12 @@ def test_full_model_logits_agree_across_dispatches():
                        n_routed_experts=8, n_group=2, topk_group=1, num_experts_per_tok=2,
                        first_k_dense_replace=0, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
                        qk_nope_head_dim=8, v_head_dim=8, max_position_embeddings=64,
-                       num_nextn_predict_layers=1, capacity_factor=4.0)
-    mesh = single_device_mesh()
+                       num_nextn_predict_layers=1)
     ids = jnp.asarray(np.random.default_rng(0).integers(0, 128, (2, 16)), jnp.int32)
     outs = {}
     for kind in (MoEDispatch.loop, MoEDispatch.dropless, MoEDispatch.capacity, MoEDispatch.ragged):
-        model = build(dataclasses.replace(base, moe_dispatch=kind), mesh, seed=0)
-        with activate(mesh):
-            outs[kind] = jax.jit(lambda m: m(ids, mtp=True))(model)
+        model = weights.create(base, KernelConfig(moe_dispatch=kind, capacity_factor=4.0))
+        outs[kind] = jax.jit(lambda m: m(ids, mtp=True))(model)
     ref = outs[MoEDispatch.loop]
     for kind, out in outs.items():
         assert float(jnp.abs(out.logits - ref.logits).max()) < 1e-5, kind

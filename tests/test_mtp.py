@@ -16,10 +16,10 @@ from transformers.modeling_layers import MtpModel
 
 from hf_ref import hf_model
 from r1jax import model as modellib
+from r1jax import weights
 from r1jax.config import ModelConfig
 from r1jax.convert import hf
-from r1jax.parallel.mesh import activate, single_device_mesh
-from r1jax.train.loss import lm_losses, total_loss
+from r1jax.train.objectives import NextToken
 
 
 def _with_mtp(tmp_path, depth: int):
@@ -29,7 +29,7 @@ def _with_mtp(tmp_path, depth: int):
     cfg0, ours = hf.load(tmp_path / "main")
     cfg = dataclasses.replace(cfg0, num_nextn_predict_layers=depth)
     # fresh MTP modules (routing-varying router scale), main weights from the reference
-    fresh = modellib.build(cfg, single_device_mesh(), seed=7)
+    fresh = weights.create(cfg, seed=7)
     values = modellib.leaves(nnx.state(fresh))
     values.update(modellib.leaves(nnx.state(ours)))
     rng = np.random.default_rng(0)
@@ -125,27 +125,25 @@ def test_mtp_loss_falls(tmp_path):
                       n_routed_experts=4, n_group=1, topk_group=1, num_experts_per_tok=2,
                       first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
                       qk_nope_head_dim=8, v_head_dim=8, max_position_embeddings=64,
-                      num_nextn_predict_layers=1, mtp_loss_weight=1.0)
-    mesh = single_device_mesh()
-    model = modellib.build(cfg, mesh, seed=0)
-    tx = optax.adam(3e-3)
-    with activate(mesh):
-        opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+                      num_nextn_predict_layers=1)
+    model = weights.create(cfg)
+    opt = nnx.Optimizer(model, optax.adam(3e-3), wrt=nnx.Param)      # plain flax: no mesh anywhere
+    objective = NextToken(mtp_weight=1.0, mtp_depth=1)
     # a learnable stream: each row counts up by a row-specific stride, so t+2 is predictable
     starts = np.arange(8)[:, None]
     ids = jnp.asarray((starts + 3 * np.arange(32)[None]) % cfg.vocab_size, jnp.int32)
-    seg = jnp.ones_like(ids)
+    batch = {"ids": ids, "segment_ids": jnp.ones_like(ids)}
 
     @nnx.jit
     def step(model, opt):
         def loss_fn(m):
-            losses = lm_losses(m(ids, mtp=True), ids, seg)
-            return total_loss(losses, cfg.mtp_loss_weight), losses
-        (_, losses), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
+            loss_sum, tokens, metrics = objective(m(ids, mtp=True), batch)
+            return loss_sum / tokens, metrics
+        (_, metrics), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
         opt.update(model, grads)
-        return losses["mtp"]
+        s, c = metrics["mtp_loss"]
+        return s / c
 
-    with activate(mesh):
-        curve = [float(step(model, opt)) for _ in range(30)]
+    curve = [float(step(model, opt)) for _ in range(30)]
     print(f"\nMTP loss: {curve[0]:.3f} -> {curve[-1]:.3f} in 30 steps")
     assert curve[-1] < 0.5 * curve[0]

@@ -29,10 +29,12 @@ import pytest
 
 from r1jax import config as configlib
 from r1jax.data import tokenizer as toklib
-from r1jax.data.corpus import open_corpus
+from r1jax.data.sources import open_corpus
 from r1jax.data.pipeline import ShardsIterator, lm_batches
 from r1jax.launch import ChatterFilter, free_port
-from r1jax.train.checkpoint import ParamsReader
+from r1jax.checkpoint.params import ParamsReader
+
+pytestmark = pytest.mark.slow      # whole runs, meshes or processes: `make test`, not `make check`
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -244,7 +246,7 @@ def test_two_process_checkpoint_resumes_on_one_process(two, tmp_path):
     the data stream, whose Grain state was kept per process, restarts deterministically."""
     ckpt_dir = two / "checkpoints"
     firsts = []
-    for k, extra in enumerate((["optim.lr=0", "model.bias_update_rate=0"], [])):
+    for k, extra in enumerate((["optim.lr=0", "optim.bias_update_rate=0"], [])):
         run_dir = tmp_path / f"one{k}"
         shutil.copytree(two, run_dir, ignore=shutil.ignore_patterns("metrics.jsonl", "final.json"))
         rc, out, err, secs = run(single(run_dir, f"train.steps={STEPS + 1}", *extra),

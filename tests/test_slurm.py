@@ -30,6 +30,8 @@ import pytest
 
 from r1jax.launch import free_port
 
+pytestmark = pytest.mark.slow      # whole runs, meshes or processes: `make test`, not `make check`
+
 ROOT = Path(__file__).resolve().parents[1]
 SBATCH = ROOT / "launch" / "slurm" / "train.sbatch"
 TINY = ROOT / "configs" / "tiny.yaml"

@@ -4,6 +4,7 @@ memory but not results, the balance loss and the router-bias update follow DeepS
 bf16 Adam moments halve the optimizer state while training like fp32 ones."""
 from __future__ import annotations
 
+import re
 
 import jax
 import jax.numpy as jnp
@@ -14,12 +15,12 @@ from flax import nnx
 
 from r1jax import config as configlib
 from r1jax import model as modellib
+from r1jax import weights
 from r1jax.config import Remat
 from r1jax.model.moe import route, sequence_balance_loss
 from r1jax.parallel.mesh import single_device_mesh
-from r1jax.train import optim
-from r1jax.train.loss import lm_losses
-from r1jax.train.step import init_state, make_train_step, update_router_bias
+from r1jax.train import objectives, optim
+from r1jax.train.step import build, update_router_bias
 
 from pathlib import Path
 
@@ -45,19 +46,15 @@ def _batch(cfg, seed=0):
 
 
 def _setup(cfg, tx=None):
-    mesh = single_device_mesh()
-    dtype = modellib.COMPUTE_DTYPES[cfg.train.dtype]
-    model = modellib.build(cfg.model, mesh, seed=0, dtype=dtype, remat=cfg.train.remat)
-    tx = tx or optim.make(cfg.optim, cfg.train.steps)
-    graphdef, state, sh = init_state(model, tx, mesh, cfg)
-    step = make_train_step(graphdef, tx, cfg, mesh, sh, optim.schedule(cfg.optim, cfg.train.steps))
-    return state, step
+    setup = build(cfg, single_device_mesh(), tx=tx)
+    return setup.state, setup.step
 
 
 def _params(state):
     return {p: np.asarray(v) for p, v in modellib.leaves(state["params"]).items()}
 
 
+@pytest.mark.slow
 def test_grad_accumulation_equals_the_large_batch():
     """SGD with lr 1 makes the parameter change the gradient itself (Adam's first step is
     ~lr*sign(g), which turns fp32 rounding of near-zero gradients into lr-sized differences)."""
@@ -80,6 +77,7 @@ def test_grad_accumulation_equals_the_large_batch():
     assert np.array_equal(b1, b4)                        # same loads -> same bias update
 
 
+@pytest.mark.slow
 def test_fp16_loss_scaling_skips_overflow_and_grows():
     cfg = _cfg("train.dtype=fp16", "train.loss_scale_init=1e30", "train.loss_scale_growth_interval=2",
                "model.num_nextn_predict_layers=0")
@@ -104,32 +102,42 @@ def test_fp16_loss_scaling_skips_overflow_and_grows():
     assert not all(np.array_equal(before[k], v) for k, v in _params(state).items())
 
 
+@pytest.mark.slow
 def test_bf16_computes_in_bf16_over_fp32_masters():
-    cfg = _cfg("train.dtype=bf16", "model.num_nextn_predict_layers=0")
+    """Every matmul of the step (forward and backward) takes bf16 operands but the fp32 router's
+    (x [T, D] by W_r [D, E] and its two gradients); masters, moments and the loss stay fp32."""
+    cfg = _cfg("train.dtype=bf16", "model.num_nextn_predict_layers=0", "model.n_routed_experts=16")
     state, step = _setup(cfg)
     batch = _batch(cfg)
     lowered = step.lower(state, batch)
-    hlo = lowered.as_text()
-    assert "bf16" in hlo and "dot_general" in hlo
+    dots = re.findall(r"stablehlo\.dot_general[^\n]*?: \((tensor<[^>]*>), (tensor<[^>]*>)\)", lowered.as_text())
+    bf16 = [d for d in dots if all(t.endswith("xbf16>") for t in d)]
+    rest = [d for d in dots if d not in bf16]
+    D, E = cfg.model.hidden_size, cfg.model.n_routed_experts
+    router = {f"x{D}xf32>", f"{D}x{E}xf32>", f"x{E}xf32>"}
+    assert len(bf16) >= 60, len(bf16)
+    assert len(rest) == 3 and all(any(t.endswith(r) for r in router) for d in rest for t in d), rest
     state, m = lowered.compile()(state, batch)
     assert np.isfinite(float(m["loss"]))
     assert all(v.dtype == np.float32 for v in _params(state).values())
     assert jax.tree.leaves(state["opt"])[1].dtype == jnp.float32
 
 
+@pytest.mark.slow
 def test_remat_policies_change_memory_not_results():
     """Loss and gradients of the model (MTP off to keep five compiles short) under each policy."""
     cfg = _cfg("model.num_nextn_predict_layers=0")
     batch = _batch(cfg)
-    mesh = single_device_mesh()
     res, mem = {}, {}
+    objective = objectives.make(cfg)
     for policy in (Remat.none, Remat.full, Remat.save_attention, Remat.save_dots, Remat.offload):
-        model = modellib.build(cfg.model, mesh, seed=0, remat=policy)
+        model = weights.create(cfg.model, remat=policy)
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
         def loss(p):
             out = nnx.merge(graphdef, p, rest)(batch["ids"], batch["positions"], batch["segment_ids"])
-            return lm_losses(out, batch["ids"], batch["segment_ids"])["lm"]
+            loss_sum, tokens, _ = objective(out, batch)
+            return loss_sum / tokens
 
         compiled = jax.jit(jax.value_and_grad(loss)).lower(params).compile()
         mem[policy] = compiled.memory_analysis().temp_size_in_bytes
@@ -157,17 +165,16 @@ def test_sequence_balance_loss_matches_a_per_sequence_loop():
         rows = slice(b * T, (b + 1) * T)
         f = np.array([(idx[rows] == i).sum() for i in range(E)]) * E / (k * T)
         p = (s[rows] / s[rows].sum(-1, keepdims=True)).mean(0)
-        ref += (f * p).sum() / B
+        ref += (f * p).sum()              # summed over rows: the step divides by the batch's rows
     assert abs(got - ref) < 1e-6
     g = jax.grad(lambda w: sequence_balance_loss(route(x, w, jnp.zeros(E), cfg)[2], idx, B))(w_r)
     assert float(jnp.abs(g).max()) > 0
 
 
 def test_router_bias_update_follows_the_sign_rule():
-    cfg = _cfg("model.bias_update_rate=0.01")
-    mesh = single_device_mesh()
-    model = modellib.build(cfg.model, mesh)
-    _, _, rest = nnx.split(model, nnx.Param, ...)
+    cfg = _cfg("optim.bias_update_rate=0.01")
+    _, state = modellib.abstract(cfg.model)                 # the biases start at zero
+    rest = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), nnx.split_state(state, nnx.Param, ...)[1])
     L, E = cfg.model.num_moe_layers, cfg.model.n_routed_experts
     load = jnp.asarray(np.random.default_rng(0).integers(0, 50, (L, E)), jnp.float32)
     mtp_load = jnp.asarray(np.random.default_rng(1).integers(0, 50, (1, E)), jnp.float32)
@@ -184,15 +191,16 @@ def test_schedule_and_decay_mask():
     assert float(sched(0)) == 0.0 and float(sched(5)) == pytest.approx(5e-4)
     assert float(sched(10)) == pytest.approx(1e-3) and float(sched(100)) == pytest.approx(1e-4)
     assert float(sched(55)) == pytest.approx(1e-4 + 0.5 * (1e-3 - 1e-4), rel=1e-3)   # cosine midpoint
-    model = modellib.build(_cfg("model.attention_bias=true").model, single_device_mesh())
-    mask = modellib.leaves(optim.decay_mask(nnx.state(model, nnx.Param)))
-    assert mask[("embed", "embedding_VD")] and mask[("moe_layers", "layers", "mlp", "gate_EDF")]
+    _, state = modellib.abstract(_cfg("model.attention_bias=true").model)
+    mask = modellib.leaves(optim.decay_mask(nnx.split_state(state, nnx.Param, ...)[0]))
+    assert mask[("embed", "embedding_WD")] and mask[("moe_layers", "layers", "mlp", "gate_EDF")]
     assert mask[("moe_layers", "layers", "attn", "wq_b_QNH")] and mask[("mtp", 0, "eh_proj_2DD")]
     for path, decayed in mask.items():
-        is_norm_or_bias = any("norm" in str(p) for p in path) or path[-1] in ("bq_a_Q", "bkv_a_C", "bo_D")
+        is_norm_or_bias = any("norm" in str(p) for p in path) or path[-1] in ("bq_a_Q", "bkv_a_C", "bk_rope_R", "bo_D")
         assert decayed != is_norm_or_bias, path
 
 
+@pytest.mark.slow
 def test_bf16_moments_halve_the_optimizer_state_and_train_alike():
     """optim.moment_dtype=bf16 (DeepSeek-V3's AdamW): mu and nu are stored in bf16, half the bytes,
     and the planner counts exactly those bytes; 10 steps track the fp32-moment run."""
@@ -217,3 +225,22 @@ def test_bf16_moments_halve_the_optimizer_state_and_train_alike():
     print(f"\nlosses fp32 moments {l32}\nlosses bf16 moments {l16}\nmax rel {np.max(np.abs(l16 - l32) / l32)}")
     assert l16[-1] < l16[0] - 0.1
     np.testing.assert_allclose(l16, l32, rtol=TOL_BF16_MOMENTS)
+
+
+@pytest.mark.slow
+def test_the_objective_weights_the_balance_loss():
+    """The step adds objective.balance_weight x the layers' balance loss (mean over rows) to the
+    objective's loss, and nothing when the objective's weight is 0."""
+    import dataclasses
+    from r1jax.train.step import make_train_step
+    cfg = _cfg("model.num_nextn_predict_layers=0", "loss.seq_aux_loss_alpha=0.1")
+    setup = build(cfg, single_device_mesh())
+    batch = _batch(cfg)
+    first = jax.tree.map(jnp.copy, setup.state)
+    _, m = setup.step(setup.state, batch)
+    assert float(m["balance_loss"]) > 0.01
+    np.testing.assert_allclose(float(m["loss"]), float(m["lm_loss"]) + 0.1 * float(m["balance_loss"]), rtol=1e-6)
+    unweighted = dataclasses.replace(objectives.make(cfg), balance_weight=0.0)
+    step0 = make_train_step(setup.graphdef, setup.tx, cfg, setup.mesh, setup.shardings, unweighted)
+    _, m0 = step0(first, batch)
+    assert float(m0["loss"]) == float(m0["lm_loss"]) == float(m["lm_loss"])

@@ -16,9 +16,11 @@ from tensorboardX.proto import event_pb2
 
 from r1jax import config as configlib
 from r1jax.data import tokenizer as toklib
-from r1jax.data.corpus import open_corpus
+from r1jax.data.sources import open_corpus
 from r1jax.data.pipeline import lm_batches, split_documents
 from r1jax.train.__main__ import main as train_main
+
+pytestmark = pytest.mark.slow      # whole runs, meshes or processes: `make test`, not `make check`
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,11 +42,30 @@ def read_scalars(logdir) -> dict[str, list[tuple[int, float]]]:
 TINY_ARGS = ["train.steps=16", "train.log_every=1", "checkpoint.every=8", "train.eval_every=8"]
 
 
+COMPILES: list[str] = []
+
+
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
+    """16 steps with an eval every 8 (at 8, and at the end); XLA compiles are recorded by name."""
+    import jax
+
+    def listen(event, duration, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            COMPILES.append(kw.get("fun_name", ""))
     run = tmp_path_factory.mktemp("tiny") / "run"
-    assert train_main(["--config", str(ROOT / "configs" / "tiny.yaml"), "--run-dir", str(run), *TINY_ARGS]) == 0
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        assert train_main(["--config", str(ROOT / "configs" / "tiny.yaml"), "--run-dir", str(run), *TINY_ARGS]) == 0
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
     return run
+
+
+def test_train_and_eval_steps_compile_once_per_run(tiny_run):
+    evals = [r for r in map(json.loads, (tiny_run / "metrics.jsonl").read_text().splitlines()) if r.get("split")]
+    assert len(evals) == 2
+    assert COMPILES.count("jit(eval_step)") == 1 and COMPILES.count("jit(train_step)") == 1, COMPILES
 
 
 def test_loss_falls_and_records_land(tiny_run):
@@ -80,7 +101,7 @@ def test_run_dir_holds_resolved_config_and_checkpoints(tiny_run):
     for item in ("params", "opt_state", "meta", "data"):
         assert (tiny_run / "checkpoints" / "16" / item).exists(), item
     meta = json.loads((tiny_run / "checkpoints" / "16" / "meta" / "metadata").read_text())
-    assert meta["step"] == 16 and len(meta["rng"]) == 2 and meta["loss_scale"] == 1.0
+    assert meta["step"] == 16 and meta["loss_scale"] == 1.0 and meta["data_shards"] == 1
     final = json.loads((tiny_run / "final.json").read_text())
     assert final["step"] == 16 and "eval_loss" in final and final["stopped"] is None
 
@@ -101,12 +122,22 @@ def test_restart_equals_straight_run_bitwise(tiny_run, tmp_path):
     a, b = losses(tiny_run), losses(run)
     assert [s for s, *_ in b] == list(range(1, 17))
     assert a == b
-    from r1jax.train.checkpoint import ParamsReader
+    from r1jax.checkpoint.params import ParamsReader
     ra, rb = ParamsReader(tiny_run / "checkpoints"), ParamsReader(run / "checkpoints")
     assert ra.step == rb.step == 16 and ra.shapes.keys() == rb.shapes.keys()
     for key in ra.shapes:
         assert np.array_equal(ra.read(key), rb.read(key)), key
     print(f"\nrestart at 8 of 16: {len(a)} per-step losses and {len(ra.shapes)} parameter arrays bitwise equal")
+
+
+def test_resume_with_another_architecture_is_refused_and_changes_nothing(tiny_run, capsys):
+    before = {p: p.stat().st_mtime_ns for p in tiny_run.rglob("*") if p.is_file()}
+    rc = train_main(["--config", str(ROOT / "configs" / "tiny.yaml"), "--run-dir", str(tiny_run), *TINY_ARGS,
+                     "model.moe_intermediate_size=48"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    assert "moe_intermediate_size=32 but the config says moe_intermediate_size=48" in err[0]
+    assert {p: p.stat().st_mtime_ns for p in tiny_run.rglob("*") if p.is_file()} == before
 
 
 def test_training_checkpoint_converts_to_hf(tiny_run, tmp_path):
@@ -197,28 +228,42 @@ def test_preemption_signal_saves_and_exits_cleanly(tmp_path, sig, terminal):
     assert "step 1/1000 | loss" in out
 
 
-def test_init_from_hf_and_orbax(tmp_path):
-    import jax.numpy as jnp
+@pytest.mark.parametrize("mesh_overrides", [["mesh.data=1"], ["mesh.data=4", "mesh.pipeline=2",
+                                                               "train.microbatches=2", "train.global_batch_size=8",
+                                                               "model.num_hidden_layers=6"]])
+def test_init_from_hf_and_orbax(tmp_path, mesh_overrides):
+    """init_from places the source's leaves as they are (on a pipeline, the MoE stack in its stage
+    slots); the MTP modules an HF checkpoint lacks are the ones a fresh init of this config gives."""
+    import jax
     from flax import nnx
 
     from hf_ref import hf_model
     from r1jax import model as modellib
+    from r1jax import weights
     from r1jax.config import ConfigError
     from r1jax.convert import hf
-    from r1jax.parallel.mesh import single_device_mesh
-    from r1jax.train.trainer import _initial_model
-    hf_model(seed=6).save_pretrained(tmp_path / "hf")
+    from r1jax.parallel import mesh as meshlib
+    from r1jax.parallel import pipeline
+    layers = 6 if "mesh.pipeline=2" in mesh_overrides else 3
+    hf_model(seed=6, num_hidden_layers=layers).save_pretrained(tmp_path / "hf")
     hf.hf_to_orbax(tmp_path / "hf", tmp_path / "orbax")
     _, ref = hf.load(tmp_path / "hf")
     want = modellib.leaves(nnx.state(ref))
-    mesh = single_device_mesh()
     for src in (f"hf:{tmp_path / 'hf'}", f"orbax:{tmp_path / 'orbax'}"):
         cfg = configlib.load(None, [f"model.hf_config={tmp_path / 'hf'}", f"model.init_from={src}",
-                                    "model.num_nextn_predict_layers=1", "data.seq_len=32"])
-        got = modellib.leaves(nnx.state(_initial_model(cfg, mesh, jnp.float32)))
+                                    "model.num_nextn_predict_layers=1", "data.seq_len=32", *mesh_overrides])
+        mesh = meshlib.make_mesh(cfg.mesh, jax.devices()[:8 if "mesh.pipeline=2" in mesh_overrides else 1])
+        layout = pipeline.mesh_layout(cfg, mesh)
+        state = weights.initial(cfg, mesh, layout, log=lambda _: None)
+        got = modellib.leaves(pipeline.to_layers(state, layout))
         assert all(np.array_equal(np.asarray(got[p]), np.asarray(v)) for p, v in want.items()), src
-        assert any(p[0] == "mtp" for p in got)            # the checkpoint has no MTP: those start fresh
+        fresh = modellib.leaves(pipeline.to_layers(weights.fresh(cfg, mesh, layout), layout))
+        mtp = [p for p in got if p[0] == "mtp"]           # the checkpoint has no MTP: those start fresh
+        assert mtp and all(np.array_equal(np.asarray(got[p]), np.asarray(fresh[p])) for p in mtp), src
+        if layout is not None:                             # born in the run's shards: stack slots over pipeline
+            stack = modellib.leaves(state)[("moe_layers", "layers", "mlp", "gate_EDF")]
+            assert stack.shape[0] == layout.slots and stack.sharding.spec[0] == "pipeline"
     cfg = configlib.load(None, [f"model.hf_config={tmp_path / 'hf'}", f"model.init_from=hf:{tmp_path / 'hf'}",
-                                "model.moe_intermediate_size=48", "data.seq_len=32"])
+                                "model.moe_intermediate_size=48", "data.seq_len=32", "mesh.data=1"])
     with pytest.raises(ConfigError, match="moe_intermediate_size=32 but the config says moe_intermediate_size=48"):
-        _initial_model(cfg, mesh, jnp.float32)
+        weights.initial(cfg, meshlib.single_device_mesh(), None)

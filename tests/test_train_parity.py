@@ -3,7 +3,6 @@
 balance loss, no MTP): per-step loss within 1e-4 of transformers' model under torch.optim.AdamW."""
 from __future__ import annotations
 
-import dataclasses
 
 import jax.numpy as jnp
 import numpy as np
@@ -14,8 +13,7 @@ from r1jax import config as configlib
 from r1jax.config import Config, OptimConfig, TrainConfig
 from r1jax.convert import hf
 from r1jax.parallel.mesh import single_device_mesh
-from r1jax.train import optim
-from r1jax.train.step import init_state, make_train_step
+from r1jax.train.step import build
 
 STEPS, B, T, LR, WD = 20, 4, 32, 1e-3, 0.1
 
@@ -43,16 +41,14 @@ def test_twenty_adamw_steps_match_pytorch(tmp_path):
         torch_losses.append(loss.item())
 
     mcfg, model = hf.load(tmp_path)
-    mcfg = dataclasses.replace(mcfg, bias_update_rate=0.0, seq_aux_loss_alpha=0.0)
     cfg = configlib.from_dict({**configlib.to_dict(Config()), "model": configlib.to_dict(mcfg),
-                               "mesh": {"data": 1}, "data": {"seq_len": T},
+                               "mesh": {"data": 1}, "data": {"seq_len": T}, "loss": {"seq_aux_loss_alpha": 0.0},
                                "optim": configlib.to_dict(OptimConfig(lr=LR, warmup_ratio=0.0, min_lr_ratio=1.0,
-                                                                      weight_decay=WD, clip_norm=1.0)),
+                                                                      weight_decay=WD, clip_norm=1.0,
+                                                                      bias_update_rate=0.0)),
                                "train": configlib.to_dict(TrainConfig(steps=STEPS, global_batch_size=B))})
-    mesh = single_device_mesh()
-    tx = optim.make(cfg.optim, STEPS)
-    graphdef, state, sh = init_state(model, tx, mesh, cfg)
-    step = make_train_step(graphdef, tx, cfg, mesh, sh, optim.schedule(cfg.optim, STEPS))
+    setup = build(cfg, single_device_mesh(), model)
+    state, step = setup.state, setup.step
     ours = []
     for ids in batches:
         batch = {"ids": jnp.asarray(ids, jnp.int32), "segment_ids": jnp.ones((B, T), jnp.int32),

@@ -38,13 +38,11 @@ def _cpu_model() -> str:
 
 def _check_comparable(cfg: configlib.Config) -> None:
     """The reference trains DeepseekV3ForCausalLM alone: refuse what it does not have."""
-    m = cfg.model
-    for key, value, why in (("num_nextn_predict_layers", m.num_nextn_predict_layers, "has no MTP modules"),
-                            ("bias_update_rate", m.bias_update_rate, "does not update router biases"),
-                            ("seq_aux_loss_alpha", m.seq_aux_loss_alpha, "has no sequence balance loss")):
+    for key, value, why in (("model.num_nextn_predict_layers", cfg.model.num_nextn_predict_layers, "has no MTP modules"),
+                            ("optim.bias_update_rate", cfg.optim.bias_update_rate, "does not update router biases"),
+                            ("loss.seq_aux_loss_alpha", cfg.loss.seq_aux_loss_alpha, "has no sequence balance loss")):
         if value:
-            raise ConfigError(f"model.{key}={value}: --compare torch needs 0 (transformers' DeepseekV3ForCausalLM "
-                              f"{why})")
+            raise ConfigError(f"{key}={value}: --compare torch needs 0 (transformers' DeepseekV3ForCausalLM {why})")
     if cfg.train.grad_accum != 1 or cfg.train.dtype is DType.fp16:
         raise ConfigError("--compare torch: compares train.grad_accum=1 with train.dtype fp32 or bf16 only")
     missing = [p for p in ("torch", "transformers") if importlib.util.find_spec(p) is None]

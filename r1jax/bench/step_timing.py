@@ -18,9 +18,9 @@ from r1jax import model as modellib
 from r1jax.bench import peak_rss_bytes
 from r1jax.config import Config
 from r1jax.parallel import mesh as meshlib
-from r1jax.parallel import pipeline
 from r1jax.train import optim
-from r1jax.train.step import batch_sharding, build
+from r1jax.train import state as statelib
+from r1jax.train.step import build
 
 
 def learning_rates(cfg: Config, n: int) -> list[float]:
@@ -32,17 +32,13 @@ def learning_rates(cfg: Config, n: int) -> list[float]:
 def run(cfg: Config, tokens: np.ndarray, warmup: int, export_hf: Path | None = None) -> dict:
     """Train on `tokens` [n, B, T]: the first `warmup` steps untimed. With `export_hf`, the
     initial weights are written there as an HF checkpoint first (for the reference)."""
-    t = cfg.train
     mesh = meshlib.make_mesh(cfg.mesh)
-    model = modellib.build(cfg.model, mesh, seed=t.seed, dtype=modellib.COMPUTE_DTYPES[t.dtype],
-                           remat=t.remat, layout=pipeline.mesh_layout(cfg, mesh))
-    if export_hf is not None:
+    setup = build(cfg, mesh)
+    if export_hf is not None:           # the model in model order, whatever the run's pipeline layout
         from r1jax.convert import hf
-        hf.save(model, cfg.model, export_hf)
-    setup = build(cfg, mesh, model)
-    del model
+        hf.save(statelib.model(setup.graphdef, setup.state, setup.layout), cfg.model, export_hf)
     state, step = setup.state, setup.step
-    bs = batch_sharding(mesh)
+    bs = meshlib.batch_sharding(mesh)
     B, T = tokens.shape[1:]
     positions = np.broadcast_to(np.arange(T, dtype=np.int32), (B, T))
 

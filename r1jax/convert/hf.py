@@ -24,12 +24,12 @@ from jax.sharding import Mesh
 
 from r1jax import config as configlib
 from r1jax import model as modellib
-from r1jax.config import ModelConfig, Remat
+from r1jax.checkpoint import params as ckpt
+from r1jax.config import KernelConfig, ModelConfig, Remat
 from r1jax.convert import safetensors_io
 from r1jax.convert.mapping import Entry, main_entries, mtp_entries, mtp_shared_copies
 from r1jax.convert.safetensors_io import CheckpointError
-from r1jax.parallel.mesh import single_device_mesh
-from r1jax.train import checkpoint as ckpt
+from r1jax.parallel import mesh as meshlib
 
 F32 = np.dtype(np.float32)
 
@@ -78,7 +78,8 @@ def _leaf_builders(cfg: ModelConfig, source: _Source, shapes: dict[tuple, tuple[
     """For every r1jax leaf, a function assembling it from its HF tensors."""
     groups: dict[tuple, list[Entry]] = defaultdict(list)
     for e in entries(cfg):
-        groups[e.path].append(e)
+        for p in e.paths:
+            groups[p].append(e)
     missing = sorted(set(shapes) - set(groups))
     if missing:
         raise CheckpointError(f"no HF tensor maps to r1jax parameter {'/'.join(map(str, missing[0]))}")
@@ -107,7 +108,7 @@ def _leaf_builders(cfg: ModelConfig, source: _Source, shapes: dict[tuple, tuple[
                 if tuple(x.shape) != e.hf_shape:
                     raise CheckpointError(f"{e.key}: shape {list(x.shape)} but the config implies "
                                           f"{list(e.hf_shape)}")
-                leaf[e.index] = e.to_ours(x)
+                leaf[e.index] = e.split(x)[e.paths.index(path)]
                 del x
             return leaf
         return build
@@ -115,33 +116,49 @@ def _leaf_builders(cfg: ModelConfig, source: _Source, shapes: dict[tuple, tuple[
     return {p: builder(p, g) for p, g in groups.items()}
 
 
-def load(directory: str | Path, *, mesh: Mesh | None = None, dtype=jnp.float32,
-         remat: Remat = Remat.none) -> tuple[ModelConfig, modellib.Transformer]:
-    """(config, model) from an HF DeepseekV3 directory; parameters placed leaf by leaf."""
+def leaf_builders(directory: str | Path) -> tuple[ModelConfig, dict[tuple, Callable[[], np.ndarray]]]:
+    """(config, {nnx path: a function reading that leaf as a float32 host array}) of an HF
+    directory, after every check that needs only the headers: nothing is read yet."""
     source = _Source(directory)
     cfg = read_config(directory, source)
-    mesh = mesh or single_device_mesh()
-    graphdef, abs_state = modellib.abstract(cfg, mesh, dtype, remat)
-    abs_leaves = modellib.leaves(abs_state)
-    builders = _leaf_builders(cfg, source, {p: a.shape for p, a in abs_leaves.items()})
-    values = {p: jax.device_put(builders[p](), a.sharding) for p, a in abs_leaves.items()}
-    return cfg, nnx.merge(graphdef, modellib.with_leaves(abs_state, values))
+    _, abs_state = modellib.abstract(cfg)
+    return cfg, _leaf_builders(cfg, source, {p: a.shape for p, a in modellib.leaves(abs_state).items()})
+
+
+def load(directory: str | Path, *, mesh: Mesh | None = None, kernels: KernelConfig = KernelConfig(),
+         dtype=jnp.float32, remat: Remat = Remat.none) -> tuple[ModelConfig, modellib.Transformer]:
+    """(config, model) from an HF DeepseekV3 directory, read leaf by leaf. Without `mesh` the
+    model is a plain one on the default device; with one, every leaf is created in its shards."""
+    cfg, builders = leaf_builders(directory)
+    graphdef, abs_state = modellib.abstract(cfg, kernels, dtype, remat)
+    if mesh is None:
+        values = {p: jnp.asarray(builders[p]()) for p in modellib.leaves(abs_state)}
+        return cfg, nnx.merge(graphdef, modellib.with_leaves(abs_state, values))
+    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                          abs_state, meshlib.shardings(abs_state, mesh))
+    return cfg, nnx.merge(graphdef, meshlib.put(target, lambda p: builders[p]()))
 
 
 def write_hf(directory: str | Path, cfg: ModelConfig, get_leaf: Callable[[tuple], np.ndarray],
              dtype=F32, max_shard_bytes: int = 5 * 2**30) -> None:
     """Write an HF checkpoint, pulling r1jax leaves one at a time from `get_leaf(path)`."""
     dtype = np.dtype(dtype)
-    ents = sorted(entries(cfg) + mtp_shared_copies(cfg), key=lambda e: tuple(map(str, e.path)))
+    ents = sorted(entries(cfg) + mtp_shared_copies(cfg), key=lambda e: tuple(map(str, e.paths[0])))
     by_key = {e.key: e for e in ents}
     cache: dict[tuple, np.ndarray] = {}
 
+    def leaf(path: tuple) -> np.ndarray:
+        return cache[path]
+
     def produce(key: str) -> np.ndarray:
         e = by_key[key]
-        if e.path not in cache:
-            cache.clear()
-            cache[e.path] = np.asarray(get_leaf(e.path), F32)
-        return e.to_hf(cache[e.path][e.index])
+        if any(p not in cache for p in e.paths):     # keep only the leaves this tensor is made of
+            for p in [p for p in cache if p not in e.paths]:
+                del cache[p]
+            for p in e.paths:
+                if p not in cache:
+                    cache[p] = np.asarray(get_leaf(p), F32)
+        return e.gather(leaf)
 
     specs = [(e.key, e.hf_shape, F32 if e.fp32 else dtype) for e in ents]
     directory = Path(directory)
@@ -160,11 +177,8 @@ def save(model: modellib.Transformer, cfg: ModelConfig, directory: str | Path, *
 
 def hf_to_orbax(src: str | Path, dst: str | Path) -> ModelConfig:
     """HF directory -> r1jax Orbax checkpoint (step 0, item `params`), one leaf in memory at a time."""
-    source = _Source(src)
-    cfg = read_config(src, source)
-    _, abs_state = modellib.abstract(cfg, single_device_mesh())
-    shapes = {p: a.shape for p, a in modellib.leaves(abs_state).items()}
-    builders = _leaf_builders(cfg, source, shapes)
+    cfg, builders = leaf_builders(src)
+    shapes = {p: a.shape for p, a in modellib.leaves(modellib.abstract(cfg)[1]).items()}
     lazy = {p: ckpt.LazyLeaf(shapes[p], F32, builders[p]) for p in shapes}
     ckpt.save_params_lazy(dst, 0, lazy, cfg)
     return cfg

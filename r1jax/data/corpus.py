@@ -1,8 +1,9 @@
-"""Document sources: random-access sequences of documents that Grain shuffles and shards by index.
+"""Corpora: random-access sequences of documents that Grain shuffles and shards by index.
 
-`open_corpus(data_config)` picks the source. Text files are one document per file, or one per
-non-empty line (`data.text_mode=lines`); JSON Lines hold one object per line with the text under
-`data.text_field`; Parquet and ArrayRecord live in `records.py`. Each source scans its files once
+`Corpus` is the interface; `TextFiles` (one document per file) and `LineDocs` (one per
+non-empty line, or per JSON Lines object with the text under `data.text_field`) are the text
+sources; Parquet and ArrayRecord live in `records.py`; `sources.open_corpus` picks one from the
+config. Each source scans its files once
 when opened: that builds the index random access needs (byte offsets, row numbers) and counts what
 was wrong with the data -- bytes that were not UTF-8, empty documents, malformed JSON lines -- so a
 bad corpus is visible in `stats` rather than silently shrunk. Documents are read lazily afterwards.
@@ -10,34 +11,13 @@ bad corpus is visible in `stats` rather than silently shrunk. Documents are read
 from __future__ import annotations
 
 import dataclasses
-import glob
 import json
-import sysconfig
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
-from r1jax.config import ConfigError, DataConfig, DataSource, TextMode
 from r1jax.data import text as textlib
-
-
-def stdlib_files() -> list[Path]:
-    """The stdlib's *.py files (site-packages excluded): on every machine, fetched from nowhere."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and p.is_file())
-
-
-def expand(patterns: Sequence[str]) -> list[Path]:
-    files: list[Path] = []
-    for pat in patterns:
-        hits = sorted(Path(p) for p in glob.glob(pat, recursive=True))
-        if not hits and Path(pat).is_file():
-            hits = [Path(pat)]
-        if not hits:
-            raise ConfigError(f"data.paths: '{pat}' matches no file")
-        files += [h for h in hits if h.is_file()]
-    return files
 
 
 @dataclasses.dataclass
@@ -122,11 +102,6 @@ class TextFiles(Corpus):
                 kept.append(p)
         return cls(kept, dataclasses.asdict(s), clean)
 
-    @classmethod
-    def from_config(cls, d: DataConfig) -> Corpus:
-        """Kept for callers of the first API; any source, as `open_corpus`."""
-        return open_corpus(d)
-
     def __len__(self) -> int:
         return len(self.paths)
 
@@ -174,43 +149,3 @@ class LineDocs(Corpus):
             raw = fh.read(int(self.lengths[i]))
         text = raw.decode("utf-8", errors="replace")
         return text if self.field is None else textlib.unsurrogate(json.loads(text)[self.field])[0]
-
-
-def _scan(d: DataConfig, files: list[Path]) -> Corpus:
-    if d.source in (DataSource.stdlib, DataSource.text):
-        if d.text_mode is TextMode.document:
-            return TextFiles.scan(files, d.clean)
-        return LineDocs.scan(files, None, d.clean)
-    if d.source is DataSource.jsonl:
-        return LineDocs.scan(files, d.text_field, d.clean)
-    from r1jax.data import records  # pyarrow and array_record load only when asked for
-    opener = records.ParquetDocs if d.source is DataSource.parquet else records.ArrayRecordDocs
-    return opener.scan(files, d.text_field, d.clean)
-
-
-def open_corpus(d: DataConfig) -> Corpus:
-    """The documents `d` names; ConfigError (one line) when there are none."""
-    files = stdlib_files() if d.source is DataSource.stdlib else expand(d.paths)
-    try:
-        corpus = _scan(d, files)
-    except OSError as e:
-        raise ConfigError(f"data.paths: cannot read {e.filename} ({e.strerror})") from None
-    if len(corpus) == 0:
-        s = corpus.stats
-        where = "data.source=stdlib" if d.source is DataSource.stdlib else f"data.paths ({d.source.value})"
-        bad = f", {s['bad_records']} bad (first: {s['first_bad']})" if s["bad_records"] else ""
-        raise ConfigError(f"{where}: the corpus is empty: {s['files']} files, {s['skipped_empty']} empty "
-                          f"documents{bad}")
-    return corpus
-
-
-def describe(corpus: Corpus) -> str:
-    """One log line: how much was read and what was wrong with it."""
-    s = corpus.stats
-    line = (f"{s['documents']} documents from {s['files']} files ({s['bytes'] / 2**20:.1f} MB); "
-            f"skipped {s['skipped_empty']} empty")
-    if s["bad_records"]:
-        line += f", {s['bad_records']} malformed (first: {s['first_bad']})"
-    if s["replaced_chars"]:
-        line += f"; {s['replaced_chars']} undecodable byte sequences became U+FFFD"
-    return line

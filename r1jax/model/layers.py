@@ -1,8 +1,8 @@
 """Basic layers: parameters with logical axis names, RMSNorm, embedding, SwiGLU MLP.
 
 Parameters are fp32 masters; `dtype` is the compute dtype they are cast to at use. Every
-parameter carries logical axis names in its `out_sharding` metadata, which
-`r1jax.parallel.mesh.LOGICAL_RULES` maps to mesh axes.
+variable is created by `r1jax.logical.variable` and carries its dimensions' logical names as
+inert metadata; whoever owns a mesh maps them to mesh axes.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from r1jax.parallel.mesh import constrain
+from r1jax.logical import constrain, variable
 
 F32 = jnp.float32
 
@@ -28,12 +28,11 @@ class RouterBias(nnx.Variable):
 
 
 def normal_param(rngs: nnx.Rngs, shape: Sequence[int], axes: Sequence[str | None], std: float) -> nnx.Param:
-    w = jax.random.normal(rngs.params(), tuple(shape), F32) * std
-    return nnx.Param(w, out_sharding=tuple(axes))
+    return variable(nnx.Param, jax.random.normal(rngs.params(), tuple(shape), F32) * std, axes)
 
 
 def const_param(value: float, shape: Sequence[int], axes: Sequence[str | None]) -> nnx.Param:
-    return nnx.Param(jnp.full(tuple(shape), value, F32), out_sharding=tuple(axes))
+    return variable(nnx.Param, jnp.full(tuple(shape), value, F32), axes)
 
 
 def cast(w: nnx.Variable | jax.Array, dtype) -> jax.Array:
@@ -96,11 +95,11 @@ class RMSNorm(nnx.Module):
 
 class Embed(nnx.Module):
     def __init__(self, vocab: int, dim: int, std: float, dtype, *, rngs: nnx.Rngs):
-        self.embedding_VD = normal_param(rngs, (vocab, dim), ("vocab", "embed"), std)
+        self.embedding_WD = normal_param(rngs, (vocab, dim), ("vocab", "embed"), std)    # W: vocabulary
         self.dtype = dtype
 
     def __call__(self, ids_BT: jax.Array) -> jax.Array:
-        x = jnp.take(self.embedding_VD[...], ids_BT, axis=0).astype(self.dtype)
+        x = jnp.take(self.embedding_WD[...], ids_BT, axis=0).astype(self.dtype)
         return constrain(x, "batch", "seq", "act_embed")
 
 

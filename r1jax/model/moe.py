@@ -15,11 +15,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from r1jax.config import ModelConfig
-from r1jax.model import dispatch
+from r1jax.config import KernelConfig, ModelConfig
+from r1jax.kernels import dispatch, expert_parallel
+from r1jax.logical import constrain, variable
 from r1jax.model.layers import F32, MLP, RouterBias, cast, normal_param
-from r1jax.parallel import expert as expert_parallel
-from r1jax.parallel.mesh import constrain
 
 
 def route(x_TD: jax.Array, weight_DE: jax.Array, bias_E: jax.Array, cfg: ModelConfig):
@@ -41,38 +40,40 @@ def route(x_TD: jax.Array, weight_DE: jax.Array, bias_E: jax.Array, cfg: ModelCo
 
 
 def sequence_balance_loss(s_TE: jax.Array, idx_Tk: jax.Array, rows: int) -> jax.Array:
-    """DeepSeek-V3's sequence-wise balance loss (eq. 17-20) without alpha, averaged over rows:
-    sum_i f_i P_i with f_i = E/(k T) * (tokens routed to i), P_i = mean_t s'_i,t, s' = s / sum_j s_j.
-    f carries no gradient; the loss reaches the router only through P."""
+    """DeepSeek-V3's sequence-wise balance loss (eq. 17-20) without alpha, summed over rows (the
+    step divides by the batch's row count): per row, sum_i f_i P_i with f_i = E/(k T) * (tokens
+    routed to i), P_i = mean_t s'_i,t, s' = s / sum_j s_j. f carries no gradient; the loss
+    reaches the router only through P."""
     T, E = s_TE.shape
     k = idx_Tk.shape[1]
     s = s_TE.reshape(rows, T // rows, E)
-    counts = jax.nn.one_hot(idx_Tk.reshape(rows, -1), E, dtype=jnp.float32).sum(1)       # [rows,E]
+    counts = jnp.zeros((rows, E), jnp.float32).at[                                      # [rows,E]
+        jnp.arange(rows)[:, None], idx_Tk.reshape(rows, -1)].add(1.0)
     f = jax.lax.stop_gradient(counts * E / (k * (T // rows)))
     p = (s / s.sum(-1, keepdims=True)).mean(1)
-    return jnp.mean(jnp.sum(f * p, axis=-1))
+    return jnp.sum(f * p)
 
 
 class MoE(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, kernels: KernelConfig, dtype, *, rngs: nnx.Rngs):
         D, E, F = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
         std = cfg.initializer_range
-        self.cfg, self.dtype = cfg, dtype
+        self.cfg, self.kernels, self.dtype = cfg, kernels, dtype
         self.router_DE = normal_param(rngs, (D, E), ("embed", "router"), std)
-        self.router_bias_E = RouterBias(jnp.zeros((E,), F32), out_sharding=("router",))
+        self.router_bias_E = variable(RouterBias, jnp.zeros((E,), F32), ("router",))
         self.gate_EDF = normal_param(rngs, (E, D, F), ("experts", "embed", "moe_mlp"), std)
         self.up_EDF = normal_param(rngs, (E, D, F), ("experts", "embed", "moe_mlp"), std)
         self.down_EFD = normal_param(rngs, (E, F, D), ("experts", "moe_mlp", "embed"), std)
         self.shared = MLP(D, F * cfg.n_shared_experts, std, dtype, rngs=rngs) if cfg.n_shared_experts else None
 
     def __call__(self, x_BTD: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-        cfg, dt = self.cfg, self.dtype
+        cfg, kn, dt = self.cfg, self.kernels, self.dtype
         B, T, D = x_BTD.shape
         x_TD = x_BTD.reshape(B * T, D)
         w, idx, scores = route(x_TD, self.router_DE[...], self.router_bias_E[...], cfg)
-        kind = dispatch.resolve(cfg.moe_dispatch.value)
+        kind = dispatch.resolve(kn.moe_dispatch.value)
         experts = (cast(self.gate_EDF, dt), cast(self.up_EDF, dt), cast(self.down_EFD, dt))
-        opts = dict(tile=cfg.moe_tile_size, capacity_factor=cfg.capacity_factor)
+        opts = dict(tile=kn.moe_tile_size, capacity_factor=kn.capacity_factor)
         if expert_parallel.expert_axis()[1] > 1:        # experts sharded: exchange tokens (shard_map)
             y, dropped = expert_parallel.routed(kind, x_TD, w, idx, *experts, **opts)
         else:
@@ -81,5 +82,5 @@ class MoE(nnx.Module):
         if self.shared is not None:
             y = y + self.shared(x_BTD)
         aux = {"load": dispatch.expert_load(idx, cfg.n_routed_experts), "dropped": dropped, "idx": idx,
-               "balance": sequence_balance_loss(scores, idx, B) if cfg.seq_aux_loss_alpha else jnp.float32(0.0)}
+               "balance": sequence_balance_loss(scores, idx, B)}
         return y, aux

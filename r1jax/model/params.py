@@ -7,7 +7,7 @@ import math
 from flax import nnx
 
 from r1jax.config import ModelConfig
-from r1jax.parallel.mesh import single_device_mesh
+from r1jax.model import abstract
 
 ROUTED = ("gate_EDF", "up_EDF", "down_EFD")
 
@@ -25,8 +25,7 @@ class ParamCount:
 
 
 def count(cfg: ModelConfig) -> ParamCount:
-    from r1jax.model import abstract
-    _, state = abstract(cfg, single_device_mesh())
+    _, state = abstract(cfg)
     main = mtp = routed = 0
     for path, var in nnx.to_flat_state(state):
         if not isinstance(var, nnx.Param):

@@ -19,12 +19,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from r1jax.config import ModelConfig, Remat
+from r1jax.config import KernelConfig, ModelConfig, Remat
+from r1jax.logical import constrain
 from r1jax.model import rope
 from r1jax.model.layers import F32, MLP, dense, Embed, RMSNorm, cast, normal_param
 from r1jax.model.mla import MLA
 from r1jax.model.moe import MoE
-from r1jax.parallel.mesh import constrain
 
 POLICIES = {
     Remat.none: None,
@@ -39,22 +39,23 @@ POLICIES = {
 
 
 class Output(NamedTuple):
-    logits: jax.Array                 # [B, T, V] float32
-    mtp_logits: jax.Array | None      # [D, B, T, V] float32 (position t predicts token t+k+1)
-    aux: dict[str, jax.Array]         # per MoE layer: load [L,E], dropped [L], idx [L,B*T,k];
-                                      # per MTP depth: mtp_load [D,E], mtp_dropped [D], mtp_idx [D,B*T,k]
+    logits: jax.Array                 # [B, T, W] float32 (W: the vocabulary)
+    mtp_logits: jax.Array | None      # [D, B, T, W] float32 (position t predicts token t+k+1)
+    aux: dict[str, jax.Array]         # per MoE layer: load [L,E], dropped [L], idx [L,B*T,k],
+                                      # balance [L] (summed over rows); per MTP depth the same
+                                      # under mtp_load, mtp_dropped, mtp_idx, mtp_balance
 
 
 class Block(nnx.Module):
     """Pre-norm decoder layer: x + MLA(norm(x)), then + MLP/MoE(norm(.))."""
 
-    def __init__(self, cfg: ModelConfig, dtype, moe: bool, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, kernels: KernelConfig, dtype, moe: bool, *, rngs: nnx.Rngs):
         D = cfg.hidden_size
         self.input_norm = RMSNorm(D, cfg.rms_norm_eps, dtype)
-        self.attn = MLA(cfg, dtype, rngs=rngs)
+        self.attn = MLA(cfg, kernels, dtype, rngs=rngs)
         self.post_attn_norm = RMSNorm(D, cfg.rms_norm_eps, dtype)
         if moe:
-            self.mlp = MoE(cfg, dtype, rngs=rngs)
+            self.mlp = MoE(cfg, kernels, dtype, rngs=rngs)
         else:
             self.mlp = MLP(D, cfg.intermediate_size, cfg.initializer_range, dtype, rngs=rngs)
         self.is_moe = moe
@@ -91,36 +92,30 @@ def scan_blocks(graphdef, state, x, cos, sin, segment_ids, remat: Remat, valid=N
 
 
 class Stack(nnx.Module):
-    """`n` identical blocks with stacked parameters, applied with `lax.scan`.
+    """`n` identical blocks with stacked parameters (leading axis `layers`), applied with
+    `lax.scan`, always in model order. A pipeline keeps its own layout of these leaves in the
+    train state (r1jax/parallel/pipeline.py); the model never sees it."""
 
-    The pipelined MoE stack is stored in a pipeline `Layout`'s slot order (padded, stage-major)
-    and its leading axis is named `stages`; called whole, it gathers its real layers back into
-    model order first."""
-
-    def __init__(self, cfg: ModelConfig, dtype, moe: bool, n: int, *, rngs: nnx.Rngs,
-                 axis: str = "layers", layout=None):
+    def __init__(self, cfg: ModelConfig, kernels: KernelConfig, dtype, moe: bool, n: int, *, rngs: nnx.Rngs):
         @nnx.split_rngs(splits=n)
-        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: axis})
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
         def make(r: nnx.Rngs) -> Block:
-            return Block(cfg, dtype, moe, rngs=r)
+            return Block(cfg, kernels, dtype, moe, rngs=r)
 
         self.layers = make(rngs)
-        self.layout = layout
 
     def __call__(self, x, cos, sin, segment_ids, remat: Remat):
         graphdef, state = nnx.split(self.layers)
-        if self.layout is not None and not self.layout.identity:
-            state = jax.tree.map(lambda a: a[self.layout.slot_of], state)
         return scan_blocks(graphdef, state, x, cos, sin, segment_ids, remat)
 
 
 class MTPModule(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, kernels: KernelConfig, dtype, *, rngs: nnx.Rngs):
         D = cfg.hidden_size
         self.enorm = RMSNorm(D, cfg.rms_norm_eps, dtype)
         self.hnorm = RMSNorm(D, cfg.rms_norm_eps, dtype)
         self.eh_proj_2DD = normal_param(rngs, (2 * D, D), ("mtp_concat", "embed"), cfg.initializer_range)
-        self.block = Block(cfg, dtype, moe=True, rngs=rngs)
+        self.block = Block(cfg, kernels, dtype, moe=True, rngs=rngs)
         self.final_norm = RMSNorm(D, cfg.rms_norm_eps, dtype)
         self.dtype = dtype
 
@@ -132,28 +127,29 @@ class MTPModule(nnx.Module):
 
 
 class Transformer(nnx.Module):
-    """DeepseekV3ForCausalLM plus MTP. Call: model(input_ids [B,T] int32) -> Output."""
+    """DeepseekV3ForCausalLM plus MTP. Call: model(input_ids [B,T] int32) -> Output.
 
-    def __init__(self, cfg: ModelConfig, dtype=jnp.float32, remat: Remat = Remat.none, *, rngs: nnx.Rngs,
-                 layout=None):
-        """`layout`: the pipeline Layout of the MoE stack (r1jax.parallel.pipeline); None: model order."""
-        D, V, std = cfg.hidden_size, cfg.vocab_size, cfg.initializer_range
-        self.cfg, self.dtype, self.remat = cfg, dtype, remat
-        self.embed = Embed(V, D, std, dtype, rngs=rngs)
+    `kernels` (how attention and the routed experts run), `dtype` (compute) and `remat` change
+    how the model computes, never what; the parameters are fp32 whatever they are."""
+
+    def __init__(self, cfg: ModelConfig, kernels: KernelConfig = KernelConfig(), dtype=jnp.float32,
+                 remat: Remat = Remat.none, *, rngs: nnx.Rngs):
+        D, W, std = cfg.hidden_size, cfg.vocab_size, cfg.initializer_range
+        self.cfg, self.kernels, self.dtype, self.remat = cfg, kernels, dtype, remat
+        self.embed = Embed(W, D, std, dtype, rngs=rngs)
         k = cfg.first_k_dense_replace
-        self.dense_layers = Stack(cfg, dtype, False, k, rngs=rngs) if k > 0 else None
-        n_moe = cfg.num_moe_layers if layout is None else layout.slots
-        self.moe_layers = (Stack(cfg, dtype, True, n_moe, rngs=rngs, axis="stages", layout=layout)
+        self.dense_layers = Stack(cfg, kernels, dtype, False, k, rngs=rngs) if k > 0 else None
+        self.moe_layers = (Stack(cfg, kernels, dtype, True, cfg.num_moe_layers, rngs=rngs)
                            if cfg.num_moe_layers > 0 else None)
         self.final_norm = RMSNorm(D, cfg.rms_norm_eps, dtype)
-        self.lm_head_DV = None if cfg.tie_word_embeddings else normal_param(rngs, (D, V), ("embed", "vocab"), std)
-        self.mtp = nnx.List([MTPModule(cfg, dtype, rngs=rngs) for _ in range(cfg.num_nextn_predict_layers)])
+        self.lm_head_DW = None if cfg.tie_word_embeddings else normal_param(rngs, (D, W), ("embed", "vocab"), std)
+        self.mtp = nnx.List([MTPModule(cfg, kernels, dtype, rngs=rngs) for _ in range(cfg.num_nextn_predict_layers)])
 
     def head(self, h_BTD: jax.Array) -> jax.Array:
-        if self.lm_head_DV is None:
-            logits = jnp.einsum("BTD,VD->BTV", h_BTD, cast(self.embed.embedding_VD, self.dtype))
+        if self.lm_head_DW is None:
+            logits = jnp.einsum("BTD,WD->BTW", h_BTD, cast(self.embed.embedding_WD, self.dtype))
         else:
-            logits = dense(h_BTD, cast(self.lm_head_DV, self.dtype))                     # BTD,DV->BTV
+            logits = dense(h_BTD, cast(self.lm_head_DW, self.dtype))                     # BTD,DW->BTW
         return constrain(logits.astype(F32), "batch", "seq", "act_vocab")
 
     def prologue(self, input_ids: jax.Array, positions: jax.Array | None = None,

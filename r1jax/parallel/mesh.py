@@ -1,7 +1,9 @@
 """The device mesh and the one table that maps logical axis names to mesh axes.
 
-Model code names logical axes only (`embed`, `heads`, `experts`, `batch`, ...); this module is
-the single place where they meet mesh axes.
+Model code names logical axes only (`embed`, `heads`, `experts`, `batch`, ...; r1jax/logical.py);
+this module is the single place where they meet mesh axes: `shardings` turns variables' names
+into NamedShardings (what jit `out_shardings` create parameters in), `activate` makes the rules
+current for activation constraints and shard_map inside a traced step.
 
 Axis type: Auto (GSPMD). Under jax 0.10's default, Explicit, every einsum that contracts a
 sharded dimension needs an `out_sharding`, every gather (embedding lookup, the MoE token
@@ -18,9 +20,9 @@ import contextlib
 import jax
 import numpy as np
 from flax import nnx
-import flax.core.spmd as fspmd
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from r1jax import logical
 from r1jax.config import MeshConfig, resolve_mesh_shape
 
 AXES = ("data", "fsdp", "tensor", "expert", "pipeline")
@@ -43,6 +45,8 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("q_lora_in", "fsdp"),           # the latent as an input (wq_b, wkv_b): these have no embed axis
     ("kv_lora_in", "fsdp"),
     ("qk_head", None),
+    ("qk_nope", None),
+    ("qk_rope", None),
     ("v_head", None),
     ("mlp", "tensor"),
     ("experts", "expert"),
@@ -92,24 +96,39 @@ class MeshedJit:
             return self.fn.lower(*args, **kwargs)
 
 
-def logical_spec(*names: str | None) -> P:
-    """PartitionSpec for logical names under the active rules."""
-    return P(*fspmd.from_sharding_rules(names, fspmd.get_logical_axis_rules()))
-
-
-def constrain(x: jax.Array, *names: str | None) -> jax.Array:
-    """Sharding constraint on an activation by logical names; a no-op outside a mesh."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or not fspmd.get_logical_axis_rules():
-        return x
-    return jax.lax.with_sharding_constraint(x, logical_spec(*names))
-
-
-def state_shardings(abstract_state, mesh: Mesh):
-    """NamedShardings for an (abstract) nnx.State from its variables' logical annotations."""
+def shardings(tree, mesh: Mesh):
+    """`tree` with every nnx Variable's value replaced by the NamedSharding its logical names
+    resolve to on `mesh` (abstract or concrete leaves); plain leaves (counters) are replicated."""
+    def one(x):
+        if isinstance(x, nnx.Variable):
+            return x.replace(NamedSharding(mesh, logical.spec(*logical.names_of(x))))
+        return replicated(mesh)
     with activate(mesh):
-        return nnx.get_named_sharding(abstract_state, mesh)
+        return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Batch arrays [B, ...] (ids, masks, per-row values): rows over the batch axes, the rest whole."""
+    with activate(mesh):
+        return NamedSharding(mesh, logical.spec("batch"))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
+
+
+def put(target: nnx.State, get) -> nnx.State:
+    """`target` (an nnx.State of ShapeDtypeStructs carrying shardings) filled leaf by leaf with
+    `get(path)` (a host array of the leaf's shape). Each array is created directly in its shards
+    from slices of the host array, so no device ever holds a whole copy it does not own, and every
+    process of a multi-host job builds the same global array."""
+    out = []
+    for path, var in nnx.to_flat_state(target):
+        want = var.get_value()
+        host = np.asarray(get(path))
+        if host.shape != tuple(want.shape):
+            raise ValueError(f"{'/'.join(map(str, path))}: got shape {host.shape}, expected {tuple(want.shape)}")
+        host = host.astype(want.dtype, copy=False)
+        out.append((path, var.replace(jax.make_array_from_callback(want.shape, want.sharding, lambda idx: host[idx]))))
+        del host
+    return nnx.from_flat_state(out)

@@ -5,13 +5,16 @@ and the final norm, head, MTP and loss (`epilogue`) run outside the stages, unde
 every pipeline rank (with the batch not sharded over `pipeline` they are computed redundantly
 there; they are a few percent of DeepSeek-V3's FLOPs).
 
-Layout. The stack's parameters (and router biases, and their optimizer moments) live in
-`Layout.slots` slots along an axis sharded over `pipeline`: `repeats` chunks of `chunk` slots per
-device. Virtual stage v = r*P + s (repeat r on device s) holds layers v*chunk ... v*chunk+chunk-1;
-slots past the last layer are padding: zero parameters that pass their input through, so layer
-counts that do not divide (DeepSeek-V3's 58 MoE layers on 4 stages: 15+15+15+13) need no other
-handling. Pads get exactly zero gradient and stay zero. Checkpoints hold the slots as they are
-and record the layout; restoring onto another layout reorders (r1jax/train/checkpoint.py).
+Layout. The model is always in model order; the layout belongs to the train state. There, the
+stack's parameters (and router biases, and their optimizer moments) live in `Layout.slots`
+slots along an axis named `stages`, sharded over `pipeline`: `repeats` chunks of `chunk` slots
+per device. Virtual stage v = r*P + s (repeat r on device s) holds layers v*chunk ...
+v*chunk+chunk-1; slots past the last layer are padding: zero parameters that pass their input
+through, so layer counts that do not divide (DeepSeek-V3's 58 MoE layers on 4 stages:
+15+15+15+13) need no other handling. Pads get exactly zero gradient and stay zero. `to_slots`
+and `to_layers` move a state between the model's order and a layout (at the weights and
+checkpoint boundaries); checkpoints hold the slots as they are and record the layout, and
+restoring onto another layout reorders (r1jax/checkpoint/).
 
 Schedules (all inside `jax.shard_map`, manual over `pipeline` only; data/fsdp/tensor stay GSPMD
 inside each stage):
@@ -38,11 +41,14 @@ from flax import nnx
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from r1jax import logical
 from r1jax.config import Config, Schedule
 from r1jax.model import rope
 from r1jax.model.transformer import Output, scan_blocks
 
 AXIS = "pipeline"
+STACK = "moe_layers"            # the state's top-level key of the pipelined stack
+SLOT_AXIS = "stages"            # the logical name of the stack's leading axis in a layout
 STAGE_AUX = ("load", "dropped", "balance")
 
 
@@ -102,6 +108,44 @@ class Layout:
         return cls(int(meta["layers"]), int(meta["stages"]), int(meta["repeats"]))
 
 
+def _is_stack(path: tuple) -> bool:
+    return bool(path) and str(getattr(path[0], "key", path[0])) == STACK
+
+
+def _moved(value, fn, leading: int):
+    if isinstance(value, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct((leading, *value.shape[1:]), value.dtype)
+    return fn(value)
+
+
+def to_slots(state: nnx.State, layout: Layout | None) -> nnx.State:
+    """A model-order state (parameters, router biases, or anything shaped like them; abstract or
+    concrete) with the MoE stack's leaves in `layout`'s slots and their leading axis named
+    `stages`, so it is sharded over `pipeline`. None: the state as it is."""
+    if layout is None:
+        return state
+
+    def move(path, v):
+        if not _is_stack(path):
+            return v
+        names = (SLOT_AXIS, *logical.names_of(v)[1:])
+        return v.replace(_moved(v.get_value(), layout.to_slots, layout.slots), out_sharding=names)
+    return nnx.from_flat_state([(p, move(p, v)) for p, v in nnx.to_flat_state(state)])
+
+
+def to_layers(state: nnx.State, layout: Layout | None) -> nnx.State:
+    """The inverse of `to_slots`: the MoE stack back in model order under its `layers` name."""
+    if layout is None:
+        return state
+
+    def move(path, v):
+        if not _is_stack(path):
+            return v
+        names = ("layers", *logical.names_of(v)[1:])
+        return v.replace(_moved(v.get_value(), layout.to_layers, layout.layers), out_sharding=names)
+    return nnx.from_flat_state([(p, move(p, v)) for p, v in nnx.to_flat_state(state)])
+
+
 def layout_for(cfg: Config, stages: int) -> Layout | None:
     """The MoE stack's layout for `stages` pipeline stages (None: the model has no MoE stack)."""
     if cfg.model.num_moe_layers == 0:
@@ -155,20 +199,19 @@ def _stack_parts(model, layout: Layout):
     return graphdef, state, jnp.asarray(layout.valid)
 
 
-def _stage_aux(acc: dict, layout: Layout, m: int) -> dict:
-    """Per-slot sums over microbatches -> model-order aux (balance as a mean over microbatches)."""
-    out = {k: layout.to_layers(acc[k]) for k in STAGE_AUX}
-    out["balance"] = out["balance"] / m
-    return out
+def _stage_aux(acc: dict, layout: Layout) -> dict:
+    """Per-slot sums over microbatches -> model-order aux (all three are sums)."""
+    return {k: layout.to_layers(acc[k]) for k in STAGE_AUX}
 
 
 # ------------------------------------------------------------------------ gpipe, circular
-def forward(model, input_ids, positions, segment_ids, *, layout: Layout, microbatches: int,
-            mtp: bool = False) -> Output:
-    """The model's forward pass with the MoE stack pipelined (GPipe, or circular when
-    layout.repeats > 1); differentiable. Equals `model(...)` up to fp32 rounding."""
+def forward(model, batch: dict, *, layout: Layout, microbatches: int, mtp: bool = False) -> Output:
+    """The model's forward pass over `batch` (ids, positions, segment_ids [B, T]) with the MoE
+    stack pipelined (GPipe, or circular when layout.repeats > 1) from its slots in `model`;
+    differentiable. Equals the model-order model's forward up to fp32 rounding."""
     M, Ps, R, C = microbatches, layout.stages, layout.repeats, layout.chunk
-    x, positions, segment_ids = model.prologue(input_ids, positions, segment_ids)
+    input_ids = batch["ids"]
+    x, positions, segment_ids = model.prologue(input_ids, batch["positions"], batch["segment_ids"])
     graphdef, state, valid = _stack_parts(model, layout)
     stage = _stage_fn(model, graphdef)
     ticks = M * R + Ps - 1
@@ -212,7 +255,7 @@ def forward(model, input_ids, positions, segment_ids, *, layout: Layout, microba
                         axis_names={AXIS})
     ym, acc = run(state, valid, _split(x, M), _split(positions, M), _split(segment_ids, M))
     out = model.epilogue(_unsplit(ym), input_ids, positions, segment_ids, mtp=mtp)
-    return Output(out.logits, out.mtp_logits, {**_stage_aux(acc, layout, M), **out.aux})
+    return Output(out.logits, out.mtp_logits, {**_stage_aux(acc, layout), **out.aux})
 
 
 # ------------------------------------------------------------------------------ 1F1B
@@ -311,22 +354,21 @@ def _state_of(template: nnx.State, values: dict) -> nnx.State:
 ONEFONEB_MANUAL = (AXIS, "data")
 
 
-def loss_and_grads_1f1b(graphdef, params: nnx.State, rest: nnx.State, batch: dict, *, cfg: Config,
-                        layout: Layout, post_loss, counts, scale, balance_weight: float):
+def loss_and_grads_1f1b(graphdef, params: nnx.State, rest: nnx.State, batch: dict, *, layout: Layout,
+                        microbatches: int, head_loss, balance_ct: float, scale):
     """One (grad_accum) microbatch under 1F1B: ((loss * scale, stats), grads of params).
 
-    `post_loss(model, y, ids, positions, segment_ids, counts, shards)` -> (loss, stats) is the
-    epilogue and loss of one pipeline microbatch's rows on one data shard, normalised by the whole
-    step's `counts` so that all of them add (`shards`: how many such pieces a row mean is split
-    into); `balance_weight` scales the stages' balance-loss outputs in the total loss.
+    `head_loss(model, y, piece)` -> (loss, stats) is the epilogue and objective of one piece of
+    `batch` (a pipeline microbatch's rows on one data shard; every [B, ...] entry of the batch dict
+    is split alike), normalised by whole-step constants so that the pieces' losses add; its stats
+    are sums. `balance_ct` is d loss / d(each stack layer's balance sum): the balance loss is
+    linear in those sums, so their cotangent is this constant.
 
     Both `pipeline` and `data` are manual here: a stage's ops run under `lax.switch` on a
     per-device index, and no collective may sit inside the branches (XLA:CPU's in-process
     collectives wait for every device, so a branch that only some take deadlocks). With the
     batch manual, a stage needs none; the gradient sums over `data` run once, at the end."""
-    M, Ps = cfg.train.microbatches, layout.stages
-    mesh = jax.sharding.get_abstract_mesh()
-    n_data = mesh.shape["data"]
+    M, Ps = microbatches, layout.stages
     op_t, mb_t, rf_t, rb_t, (k_act, k_in, k_grad) = schedule_1f1b(Ps, M)
     stack_v, other_v = _partition(params)
     rest_stack, rest_other = _partition(rest)
@@ -340,15 +382,14 @@ def loss_and_grads_1f1b(graphdef, params: nnx.State, rest: nnx.State, batch: dic
     x, pro_vjp = jax.vjp(prologue, other_v)
     block_gd, _, valid = _stack_parts(model, layout)
     stage = _stage_fn(model, block_gd, ONEFONEB_MANUAL)
-    ids_m, pos_m, seg_m = (_split(batch[k], M) for k in ("ids", "positions", "segment_ids"))
-    shards = M * n_data                        # pieces each row mean (the balance losses) is split into
+    batch_m = {k: _split(v, M) for k, v in batch.items()}
 
     def block_state(stack, rstack):
         """The stack's per-layer Block state from flat param and bias leaves (local slots)."""
         flat = {k[len("moe_layers/layers/"):]: a for k, a in {**stack, **rstack}.items()}
         return _state_of(layers_state, flat)
 
-    def per_device(stack, rstack, other, rother, valid, xm, idsm, posm, segm, counts, scale):
+    def per_device(stack, rstack, other, rother, valid, xm, bm, scale):
         s = lax.axis_index(AXIS)
         last = s == Ps - 1
         vary = functools.partial(_vary, axes=ONEFONEB_MANUAL)
@@ -357,20 +398,20 @@ def loss_and_grads_1f1b(graphdef, params: nnx.State, rest: nnx.State, batch: dic
         row = lambda tbl, t: jnp.asarray(tbl)[t][s]     # noqa: E731
 
         def stage_w(stack_, x, m):
-            y, aux = stage(block_state(stack_, rstack), valid, x, posm[m], segm[m])
+            y, aux = stage(block_state(stack_, rstack), valid, x, bm["positions"][m], bm["segment_ids"][m])
             return (y, aux["balance"].sum()), aux
 
         def post(other_, y, m):
             mdl = nnx.merge(graphdef, _state_of(params, {**stack, **other_}),
                             _state_of(rest, {**rstack, **rother}))
-            return post_loss(mdl, y, idsm[m], posm[m], segm[m], counts, shards)
+            return head_loss(mdl, y, {k: v[m] for k, v in bm.items()})
 
         zeros_like = lambda t: jax.tree.map(jnp.zeros_like, t)      # noqa: E731
         aux_shape = jax.eval_shape(lambda: stage_w(stack, xm[0], 0)[1])
         y_shape = jax.ShapeDtypeStruct(xm.shape[1:], xm.dtype)
         post_shape = jax.eval_shape(lambda: post(other, jnp.zeros(y_shape.shape, y_shape.dtype), 0))
-        bal_w = balance_weight / shards
-        bal_ct = jnp.float32(bal_w) * scale
+        bal_w = jnp.float32(balance_ct)
+        bal_ct = bal_w * scale
 
         def out_zeros():
             z = jnp.zeros(y_shape.shape, y_shape.dtype)
@@ -437,14 +478,11 @@ def loss_and_grads_1f1b(graphdef, params: nnx.State, rest: nnx.State, batch: dic
                 lax.psum(acc["dstack"], "data"), lax.psum(acc["dother"], both), lax.psum(c["dx"], AXIS))
 
     rows = P(None, "data")
-    run = jax.shard_map(per_device, in_specs=(P(AXIS), P(AXIS), P(), P(), P(AXIS), rows, rows, rows, rows, P(), P()),
+    run = jax.shard_map(per_device, in_specs=(P(AXIS), P(AXIS), P(), P(), P(AXIS), rows, rows, P()),
                         out_specs=(P(), P(), P(AXIS), P(AXIS), P(), rows), axis_names=set(ONEFONEB_MANUAL))
     with nnx.logical_axis_rules(()):          # no activation constraints on manual axes inside
         loss, post_stats, aux, d_stack, d_other_post, dxm = run(
-            stack_v, rest_stack, other_v, rest_other, valid, _split(x, M), ids_m, pos_m, seg_m, counts, scale)
+            stack_v, rest_stack, other_v, rest_other, valid, _split(x, M), batch_m, scale)
     (d_other_pro,) = pro_vjp(_unsplit(dxm))
     grads = {**d_stack, **jax.tree.map(jnp.add, d_other_post, d_other_pro)}
-    stage_aux = _stage_aux(aux, layout, M)
-    stats = {**post_stats, "load": stage_aux["load"], "dropped": stage_aux["dropped"],
-             "balance_stack": stage_aux["balance"] / n_data}
-    return (loss * scale, stats), _state_of(params, grads)
+    return (loss * scale, {**post_stats, **_stage_aux(aux, layout)}), _state_of(params, grads)

@@ -41,6 +41,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from r1jax.train.trainer import catch_stop_signals_early
+    from r1jax.train.loop import catch_stop_signals_early
     catch_stop_signals_early()       # a SIGUSR1 during start-up must not kill the job (SLURM requeue)
     sys.exit(main())

@@ -17,7 +17,7 @@ MOMENT_DTYPES = {DType.fp32: jnp.float32, DType.bf16: jnp.bfloat16}
 
 # module names whose `weight` is an RMSNorm scale, and the attention biases: never decayed
 NORMS = {"input_norm", "post_attn_norm", "final_norm", "q_norm", "kv_norm", "enorm", "hnorm"}
-BIASES = {"bq_a_Q", "bkv_a_C", "bo_D"}
+BIASES = {"bq_a_Q", "bkv_a_C", "bk_rope_R", "bo_D"}
 
 
 def schedule(o: OptimConfig, steps: int) -> optax.Schedule:

@@ -1,78 +1,58 @@
-"""The pure train step: (state, batch) -> (state, metrics), jitted with donated, pinned shardings.
-
-State is a plain pytree:
-    params      nnx.State of Params (fp32 masters)
-    rest        the non-trainable variables (router biases)
-    opt         optax state (sharded like params)
-    step        int32
-    rng         uint32 key data (folded with the step wherever randomness is needed)
-    loss_scale  {"scale": f32, "good_steps": i32}; fixed at 1 unless train.dtype is fp16
-The model's graphdef is split once outside and merged inside, so the step is a pure function.
+"""The pure train step: (state, batch) -> (state, metrics), jitted with donated, pinned shardings;
+and the eval step beside it. State is r1jax/train/state.py's pytree; the model's graphdef is
+split once outside and merged inside, so both steps are pure functions.
 
 One step: the global batch is split into `train.grad_accum` microbatches (rows a, a+A, ... so
-each keeps its data sharding), scanned with gradients summed in fp32; every loss is normalised
-by the whole batch's target count, so A microbatches equal one large batch. fp16 multiplies the
-loss by the dynamic scale, skips the update when any gradient is not finite (scale x0.5) and
-doubles the scale after `loss_scale_growth_interval` good steps, like torch's GradScaler. After
-the optimizer, DeepSeek-V3's aux-loss-free balancing moves each router bias by
-gamma * sign(mean load - load) using the step's routed-token counts.
+each keeps its data sharding), scanned with gradients summed in fp32. The loss is the
+objective's (r1jax/train/objectives.py) summed loss over the whole batch's `objective.tokens`,
+plus the objective's `balance_weight` (`loss.seq_aux_loss_alpha`) times the MoE balance loss
+summed over layers and averaged over rows; both denominators come from the batch alone, so A microbatches (and every pipeline
+schedule) equal one large batch. fp16 multiplies the loss by the dynamic scale, skips the update
+when any gradient is not finite (scale x0.5) and doubles the scale after
+`loss_scale_growth_interval` good steps, like torch's GradScaler. After the optimizer,
+DeepSeek-V3's aux-loss-free balancing moves each router bias by
+gamma * sign(mean load - load) using the step's routed-token counts (`optim.bias_update_rate`).
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
-from r1jax import model as modellib
+from r1jax import weights
 from r1jax.config import Config, DType, Schedule
-from r1jax.model import Transformer
 from r1jax.parallel import mesh as meshlib
 from r1jax.parallel import pipeline
-from r1jax.train import optim
-from r1jax.train.loss import combine, cross_entropy_sum, loss_sums, shifted_targets, target_counts
+from r1jax.train import objectives, optim
+from r1jax.train import state as statelib
+from r1jax.train.objectives import Objective
 
 State = dict[str, Any]
+AUX = ("load", "dropped", "balance", "mtp_load", "mtp_dropped", "mtp_balance")   # summed over rows
 
 
-def split_model(model: Transformer):
-    """(graphdef, params, rest): trainable Params and everything else (router biases)."""
-    return nnx.split(model, nnx.Param, ...)
+def forward(model, batch: dict, cfg: Config, layout: pipeline.Layout | None, mtp: bool):
+    """The model's output on `batch`, through the run's pipeline when it has one (GPipe or
+    circular; 1F1B interleaves the backward and is the step's own)."""
+    if layout is None:
+        return model(batch["ids"], batch["positions"], batch["segment_ids"], mtp=mtp)
+    return pipeline.forward(model, batch, layout=layout, microbatches=cfg.train.microbatches, mtp=mtp)
 
 
-def _shardings(tree, mesh: Mesh):
-    """NamedShardings from Variables' logical annotations; replicated for plain leaves (counts)."""
-    def one(x):
-        if isinstance(x, nnx.Variable):
-            names = x.get_metadata().get("out_sharding")
-            spec = meshlib.logical_spec(*names) if names else jax.sharding.PartitionSpec()
-            return x.replace(NamedSharding(mesh, spec))
-        return meshlib.replicated(mesh)
-    with meshlib.activate(mesh):
-        return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
-
-
-def init_state(model: Transformer, tx: optax.GradientTransformation, mesh: Mesh, cfg: Config):
-    """(graphdef, state, state shardings) with the optimizer state sharded like its params."""
-    graphdef, params, rest = split_model(model)
-    t = cfg.train
-    scale = t.loss_scale_init if t.dtype is DType.fp16 else 1.0
-    small = {"step": jnp.int32(0), "rng": jax.random.key_data(jax.random.key(t.seed)),
-             "loss_scale": {"scale": jnp.float32(scale), "good_steps": jnp.int32(0)}}
-    abstract = {"params": params, "rest": rest, "opt": jax.eval_shape(tx.init, params), **small}
-    shardings = _shardings(abstract, mesh)
-    opt = jax.jit(tx.init, out_shardings=shardings["opt"])(params)
-    state = {"params": params, "rest": rest, "opt": opt,
-             **jax.device_put(small, {k: shardings[k] for k in small})}
-    return graphdef, state, shardings
-
-
-def batch_sharding(mesh: Mesh) -> NamedSharding:
-    with meshlib.activate(mesh):
-        return NamedSharding(mesh, meshlib.logical_spec("batch", "seq"))
+def head_loss(out, batch: dict, objective: Objective, tokens, rows: int):
+    """(loss, stats) of an output over (part of) the step's batch: the objective's loss sum over
+    the whole step's `tokens`, plus its balance weight x the balance losses it carries over the
+    step's `rows`.
+    Stats are sums, so the parts of a step add."""
+    loss_sum, n, metrics = objective(out, batch)
+    stats = {"metrics": metrics, "tokens": n, **{k: out.aux[k].astype(jnp.float32) for k in AUX if k in out.aux}}
+    balance = sum(stats[k].sum() for k in ("balance", "mtp_balance") if k in stats)
+    return loss_sum / tokens + objective.balance_weight * balance / rows, stats
 
 
 def update_router_bias(rest: nnx.State, load: jax.Array, mtp_load: jax.Array | None, rate: float,
@@ -96,71 +76,51 @@ def _tree_select(pred, new, old):
     return jax.tree.map(lambda a, b: jnp.where(pred, a, b), new, old)
 
 
-def make_train_step(graphdef, tx: optax.GradientTransformation, cfg: Config, mesh: Mesh,
-                    shardings: State, lr_schedule: Callable) -> Callable[[State, dict], tuple[State, dict]]:
-    m, t = cfg.model, cfg.train
-    depth = m.num_nextn_predict_layers
+def make_train_step(graphdef, tx: optax.GradientTransformation, cfg: Config, mesh: Mesh, shardings: State,
+                    objective: Objective | None = None) -> Callable[[State, dict], tuple[State, dict]]:
+    """The jitted step for `objective` (default: the one `loss.objective` names)."""
+    objective = objective or objectives.make(cfg)
+    t = cfg.train
     accum = t.grad_accum
     fp16 = t.dtype is DType.fp16
-    has_moe = m.num_moe_layers > 0
+    has_moe = cfg.model.num_moe_layers > 0
     msh = shardings["params"]
     layout = pipeline.mesh_layout(cfg, mesh)
+    lr_schedule = optim.schedule(cfg.optim, t.steps)
 
-    def finish(out, ids, segment_ids, counts, per: int = 1):
-        """(loss, stats) of a model output, normalised by the whole batch's counts (so the losses
-        of microbatches add); `per`: pipeline microbatches this is one of (balance is a row mean)."""
-        sums = loss_sums(out, ids, segment_ids)
-        loss = combine(sums, counts, m.mtp_loss_weight)
-        balance = sum(out.aux[k].sum() for k in ("balance", "mtp_balance") if k in out.aux) / (accum * per)
-        loss = loss + m.seq_aux_loss_alpha * balance
-        stats = {"sums": sums, "balance": balance}
-        for k in ("load", "dropped", "mtp_load", "mtp_dropped"):
-            if k in out.aux:
-                stats[k] = out.aux[k].astype(jnp.float32)
-        return loss, stats
-
-    def micro_loss(params, rest, mb, counts, scale):
-        model = nnx.merge(graphdef, params, rest)
-        if layout is None:
-            out = model(mb["ids"], mb["positions"], mb["segment_ids"], mtp=depth > 0)
-        else:
-            out = pipeline.forward(model, mb["ids"], mb["positions"], mb["segment_ids"], layout=layout,
-                                   microbatches=t.microbatches, mtp=depth > 0)
-        loss, stats = finish(out, mb["ids"], mb["segment_ids"], counts)
+    def micro_loss(params, rest, mb, tokens, scale, *, rows):
+        out = forward(nnx.merge(graphdef, params, rest), mb, cfg, layout, objective.mtp)
+        loss, stats = head_loss(out, mb, objective, tokens, rows)
         return loss * scale, stats
 
     if layout is not None and cfg.pipeline.schedule is Schedule.onefoneb:
-        def post_loss(model, y, ids, positions, segment_ids, counts, shards):
-            out = model.epilogue(y, ids, positions, segment_ids, mtp=depth > 0)
-            return finish(out, ids, segment_ids, counts, per=shards)
-
-        def grad_fn(params, rest, mb, counts, scale):
-            (loss, stats), grads = pipeline.loss_and_grads_1f1b(
-                graphdef, params, rest, mb, cfg=cfg, layout=layout, post_loss=post_loss, counts=counts,
-                scale=scale, balance_weight=m.seq_aux_loss_alpha / accum)
-            stage_balance = stats.pop("balance_stack").sum() / accum
-            stats["balance"] = stats["balance"] + stage_balance
-            return (loss, stats), grads
+        def grad_fn(params, rest, mb, tokens, scale, *, rows):
+            def piece_loss(model, y, piece):
+                out = model.epilogue(y, piece["ids"], piece["positions"], piece["segment_ids"], mtp=objective.mtp)
+                return head_loss(out, piece, objective, tokens, rows)
+            return pipeline.loss_and_grads_1f1b(graphdef, params, rest, mb, layout=layout, microbatches=t.microbatches,
+                                                head_loss=piece_loss, balance_ct=objective.balance_weight / rows, scale=scale)
     else:
         grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
-    def step(state: State, batch: dict[str, jax.Array]):
+    def train_step(state: State, batch: dict[str, jax.Array]):
         scale = state["loss_scale"]["scale"]
-        counts = target_counts(batch["segment_ids"], depth)
+        rows = batch["ids"].shape[0]
+        tokens, grads_of = jnp.maximum(objective.tokens(batch), 1.0), functools.partial(grad_fn, rows=rows)
         if accum == 1:
-            (loss, stats), grads = grad_fn(state["params"], state["rest"], batch, counts, scale)
+            (loss, stats), grads = grads_of(state["params"], state["rest"], batch, tokens, scale)
         else:
             # microbatch a = rows a, a+A, ...: every device keeps the rows it already holds
             micro = jax.tree.map(lambda x: x.reshape(-1, accum, *x.shape[1:]).swapaxes(0, 1), batch)
 
             def body(carry, mb):
-                out, g = grad_fn(state["params"], state["rest"], mb, counts, scale)
+                out, g = grads_of(state["params"], state["rest"], mb, tokens, scale)
                 g = jax.lax.with_sharding_constraint(g, msh)
                 return jax.tree.map(jnp.add, carry, (out, g)), None
 
             first = jax.tree.map(lambda x: x[0], micro)
             zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(
-                grad_fn, state["params"], state["rest"], first, counts, scale))
+                grads_of, state["params"], state["rest"], first, tokens, scale))
             ((loss, stats), grads), _ = jax.lax.scan(body, zeros, micro)
         grads = jax.lax.with_sharding_constraint(jax.tree.map(lambda g: g / scale, grads), msh)
         loss = loss / scale
@@ -169,7 +129,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, cfg: Config, mes
         params = optax.apply_updates(state["params"], updates)
         rest = state["rest"]
         if has_moe:
-            rest = update_router_bias(rest, stats["load"], stats.get("mtp_load"), m.bias_update_rate, layout)
+            rest = update_router_bias(rest, stats["load"], stats.get("mtp_load"), cfg.optim.bias_update_rate, layout)
         new = {"params": params, "rest": rest, "opt": opt}
         ls = state["loss_scale"]
         if fp16:
@@ -178,9 +138,9 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, cfg: Config, mes
             grow = good >= t.loss_scale_growth_interval
             ls = {"scale": jnp.where(finite, jnp.where(grow, ls["scale"] * 2, ls["scale"]), ls["scale"] * 0.5),
                   "good_steps": jnp.where(grow, 0, good)}
-        means = stats["sums"] / jnp.maximum(counts, 1.0)
-        metrics = {"loss": loss, "lm_loss": means[0], "mtp_loss": jnp.mean(means[1:]) if depth else 0.0,
-                   "balance_loss": stats["balance"] * accum, "tokens": counts[0],
+        balance = sum(stats[k].sum() for k in ("balance", "mtp_balance") if k in stats)
+        metrics = {"loss": loss, **{k: s / jnp.maximum(c, 1.0) for k, (s, c) in stats["metrics"].items()},
+                   "balance_loss": balance / rows, "tokens": stats["tokens"],
                    "grad_norm": optax.tree.norm(grads), "param_norm": optax.tree.norm(new["params"]),
                    "lr": lr_schedule(state["step"]), "loss_scale": ls["scale"],
                    "skipped": (~finite).astype(jnp.float32)}
@@ -188,23 +148,26 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, cfg: Config, mes
             load = stats["load"]
             metrics["expert_imbalance"] = load.max(-1) / jnp.maximum(load.mean(-1), 1e-9)     # [L]
             metrics["dropped_frac"] = stats["dropped"].sum() / jnp.maximum(load.sum(), 1.0)
-        new.update(step=state["step"] + 1, rng=state["rng"], loss_scale=ls)
+        new.update(step=state["step"] + 1, loss_scale=ls)
         return new, metrics
 
     with meshlib.activate(mesh):
-        return meshlib.MeshedJit(jax.jit(step, donate_argnums=0, in_shardings=(shardings, batch_sharding(mesh)),
+        return meshlib.MeshedJit(jax.jit(train_step, donate_argnums=0, in_shardings=(shardings, meshlib.batch_sharding(mesh)),
                                          out_shardings=(shardings, meshlib.replicated(mesh))), mesh)
 
 
-def make_eval_step(graphdef, cfg: Config, mesh: Mesh, shardings: State):
-    """(state, batch) -> (sum of token losses, token count) for the main next-token loss."""
-    def ev(state, batch):
-        out = nnx.merge(graphdef, state["params"], state["rest"])(
-            batch["ids"], batch["positions"], batch["segment_ids"])
-        return cross_entropy_sum(out.logits, *shifted_targets(batch["ids"], batch["segment_ids"], 1))
+def make_eval_step(graphdef, cfg: Config, mesh: Mesh, shardings: State, objective: Objective | None = None):
+    """(state, batch) -> the objective's metrics {name: (sum, count)} on the batch, through the
+    same forward as training (pipelined when the run is). Build it once per run."""
+    objective = objective or objectives.make(cfg)
+    layout = pipeline.mesh_layout(cfg, mesh)
+
+    def eval_step(state, batch):
+        out = forward(nnx.merge(graphdef, state["params"], state["rest"]), batch, cfg, layout, objective.mtp)
+        return objective(out, batch)[2]
 
     with meshlib.activate(mesh):
-        return meshlib.MeshedJit(jax.jit(ev, in_shardings=(shardings, batch_sharding(mesh)),
+        return meshlib.MeshedJit(jax.jit(eval_step, in_shardings=(shardings, meshlib.batch_sharding(mesh)),
                                          out_shardings=meshlib.replicated(mesh)), mesh)
 
 
@@ -216,19 +179,23 @@ class Setup(NamedTuple):
     shardings: State
     tx: optax.GradientTransformation
     step: Callable
+    layout: pipeline.Layout | None
 
 
-def build(cfg: Config, mesh: Mesh | None = None, model: Transformer | None = None) -> Setup:
-    """A fresh run's model, state and train step, built as the trainer builds them: parameters
-    born in their shards on `mesh` (default: `cfg.mesh` over all devices) with the config's seed,
-    compute dtype, remat policy and pipeline layout, AdamW state sharded like them. For the
-    benchmarks, the planner's check and the tests; `model` replaces the freshly built one."""
-    t = cfg.train
+def build(cfg: Config, mesh: Mesh | None = None, model: nnx.Module | None = None,
+          tx: optax.GradientTransformation | None = None) -> Setup:
+    """A fresh run's state and train step, built as the trainer builds them: parameters born in
+    their shards on `mesh` (default: `cfg.mesh` over all devices) in the run's pipeline layout,
+    from the config's seed (or from `model`, a model-order model), the optimizer state (`tx`,
+    default the config's AdamW) sharded like them. For the benchmarks, the planner's check and
+    the tests."""
     mesh = meshlib.make_mesh(cfg.mesh) if mesh is None else mesh
+    layout = pipeline.mesh_layout(cfg, mesh)
+    graphdef, target = weights.target(cfg, mesh, layout)
     if model is None:
-        model = modellib.build(cfg.model, mesh, seed=t.seed, dtype=modellib.COMPUTE_DTYPES[t.dtype], remat=t.remat,
-                               layout=pipeline.mesh_layout(cfg, mesh))
-    tx = optim.make(cfg.optim, t.steps)
-    graphdef, state, shardings = init_state(model, tx, mesh, cfg)
-    step = make_train_step(graphdef, tx, cfg, mesh, shardings, optim.schedule(cfg.optim, t.steps))
-    return Setup(mesh, graphdef, state, shardings, tx, step)
+        model_state = weights.fresh(cfg, mesh, layout)
+    else:
+        model_state = weights.place(target, weights.leaf_getter(nnx.state(model)), layout)
+    tx = tx or optim.make(cfg.optim, cfg.train.steps)
+    state, shardings = statelib.create(model_state, tx, cfg, mesh)
+    return Setup(mesh, graphdef, state, shardings, tx, make_train_step(graphdef, tx, cfg, mesh, shardings), layout)

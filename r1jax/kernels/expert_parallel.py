@@ -1,7 +1,8 @@
 """Expert parallelism: routed experts sharded over the mesh axis the `experts` logical axis maps
-to, tokens exchanged inside `jax.shard_map` (manual over the batch axes, the rest left to GSPMD).
+to (under the active rules; this module names no mesh axis), tokens exchanged inside
+`jax.shard_map` (manual over the batch axes, the rest left to GSPMD).
 
-Two exchanges, chosen by `model.moe_dispatch`:
+Two exchanges, chosen by `kernels.moe_dispatch`:
 - `capacity`: each shard sends each expert at most C = ceil(cf * T_local * k / E) of its pairs
   through `all_to_all`, the owner runs them as one batched [E_local, ep*C, D] product, a second
   `all_to_all` brings the results back; overflow pairs are dropped and counted. Static shapes
@@ -18,41 +19,30 @@ from __future__ import annotations
 
 import math
 
-import flax.core.spmd as fspmd
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from r1jax.model import dispatch
-from r1jax.parallel.mesh import logical_spec
-
-
-def _axes(entry) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    return tuple(entry) if isinstance(entry, tuple) else (entry,)
+from r1jax import logical
+from r1jax.kernels import dispatch
 
 
 def expert_axis() -> tuple[str | None, int]:
     """(mesh axis the experts are sharded over, its size); (None, 1) without expert parallelism."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or not fspmd.get_logical_axis_rules():
-        return None, 1
-    axes = _axes(logical_spec("experts")[0] if len(logical_spec("experts")) else None)
-    axes = tuple(a for a in axes if mesh.shape[a] > 1)
+    axes = logical.mesh_axes("experts")
     if not axes:
         return None, 1
     if len(axes) > 1:
         raise ValueError(f"experts may be sharded over one mesh axis, not {axes}")
-    return axes[0], mesh.shape[axes[0]]
+    return axes[0], jax.sharding.get_abstract_mesh().shape[axes[0]]
 
 
 def routed(kind: str, x_TD, w, idx, gate, up, down, *, tile: int, capacity_factor: float):
     """Routed-expert output [T, D] and the global count of dropped pairs, experts sharded."""
     mesh = jax.sharding.get_abstract_mesh()
     axis, ep = expert_axis()
-    token_axes = tuple(a for a in _axes(logical_spec("batch")[0]) if mesh.shape[a] > 1)
+    token_axes = logical.mesh_axes("batch")
     if axis not in token_axes:
         raise ValueError(f"expert parallelism needs the tokens sharded over '{axis}' too (batch rule)")
     E = gate.shape[0]

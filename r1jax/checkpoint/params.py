@@ -1,8 +1,10 @@
-"""Orbax checkpoints: a `CheckpointManager` directory whose steps hold named items.
+"""The model's weights in an Orbax checkpoint directory, leaf by leaf.
 
+A checkpoint directory is an Orbax `CheckpointManager` directory whose steps hold named items.
 Item `params` is the model's state (parameters and router biases) as a nested dict keyed by
-the nnx path; training adds `opt_state` and `meta`. The directory root also holds
-`model_config.json`, so a checkpoint directory alone is enough to rebuild (or convert) the model.
+the nnx path; training adds `opt_state`, `meta` and `data` (r1jax/checkpoint/manager.py). The
+directory root also holds `model_config.json` (the architecture), so a checkpoint directory
+alone is enough to rebuild (or convert) the model.
 
 Params can be written lazily, one leaf at a time (`save_params_lazy`): a leaf is produced only
 when Orbax is ready to write it and is dropped afterwards, so converting a checkpoint never
@@ -11,11 +13,12 @@ holds the whole model in host memory. They can likewise be read one leaf at a ti
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -26,6 +29,7 @@ from orbax.checkpoint._src.serialization import type_handlers as ocp_types
 
 from r1jax import config as configlib
 from r1jax.config import ModelConfig
+from r1jax.parallel.pipeline import Layout
 
 PARAMS = "params"
 MODEL_CONFIG = "model_config.json"
@@ -48,8 +52,10 @@ def nest(flat: dict[tuple, Any]) -> dict[str, Any]:
 
 
 def write_model_config(directory: str | Path, cfg: ModelConfig) -> None:
+    """The model's HF keys (its architecture and the rest of DeepseekV3Config), not its sources."""
     Path(directory).mkdir(parents=True, exist_ok=True)
-    (Path(directory) / MODEL_CONFIG).write_text(json.dumps(configlib.to_dict(cfg), indent=2))
+    d = configlib.to_dict(cfg)
+    (Path(directory) / MODEL_CONFIG).write_text(json.dumps({k: d[k] for k in configlib.hf_keys()}, indent=2))
 
 
 def read_model_config(directory: str | Path) -> ModelConfig:
@@ -65,6 +71,29 @@ def latest_step(directory: str | Path) -> int:
     if not steps:
         raise configlib.ConfigError(f"{directory}: holds no checkpoint step with '{PARAMS}'")
     return steps[-1]
+
+
+M_MMAP_THRESHOLD = -3          # glibc mallopt parameter
+GLIBC_MMAP_MAX = 32 << 20      # the ceiling of glibc's own moving threshold on 64-bit
+
+
+@contextlib.contextmanager
+def host_buffers_unmapped_on_free(threshold: int = 1 << 20):
+    """Inside: host allocations above `threshold` are their own mappings, unmapped when freed.
+    Restoring a checkpoint frees a read buffer for every shard from Orbax's and tensorstore's
+    threads; glibc would keep them in per-thread arenas (about 10% of a restored state, measured)
+    instead of returning them. On exit the threshold is left at glibc's own ceiling, where its
+    moving threshold ends up anyway. Not glibc: nothing changes."""
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        yield
+        return
+    mallopt(M_MMAP_THRESHOLD, threshold)
+    try:
+        yield
+    finally:
+        mallopt(M_MMAP_THRESHOLD, GLIBC_MMAP_MAX)
 
 
 def release_memory() -> None:
@@ -147,7 +176,6 @@ class ParamsReader:
         # a pipelined run keeps its MoE stack in slot order (r1jax/parallel/pipeline.py): read in model order
         train_meta = self.dir / str(self.step) / "meta" / "metadata"
         layout = json.loads(train_meta.read_text()).get("moe_layout") if train_meta.is_file() else None
-        from r1jax.parallel.pipeline import Layout
         self.layout = Layout.from_meta(layout) if layout else None
         if self.layout is not None:
             self.shapes = {k: ((self.layout.layers, *v[1:]) if k[0] == "moe_layers" else v)
@@ -168,6 +196,3 @@ class ParamsReader:
             out = self.layout.to_layers(out)
         return out
 
-    def read_all(self, paths: Iterable[tuple], shardings: dict[tuple, Any]) -> dict[tuple, jax.Array]:
-        """Leaves placed with `shardings`, read and placed one at a time."""
-        return {p: jax.device_put(self.read(p), shardings[p]) for p in paths}

@@ -1,0 +1,161 @@
+"""The training loop, for any step and any batches: log, evaluate, checkpoint, stop on signals.
+
+`run` drives a jitted `step(state, batch) -> (state, metrics)` over host batches from `batches`
+(placed with `place`), from step `start` to `end`. Every `log_every` steps it averages the
+window's metrics and adds step time, tokens/s and MFU; every `eval_every` steps the `Evaluator`
+runs; the `Checkpointer` saves on its schedule with the data iterator's state. SIGTERM or
+SIGUSR1 (what SLURM sends before a time limit or a preemption) end the loop after the current
+step, with several processes all at the same step. Eval and checkpoint time are kept out of
+tokens/s. Pre-training, SFT, distillation and GRPO share it: they differ in the step and the
+batches they hand in.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import signal
+import threading
+import time
+from typing import Any, Callable, Iterator
+
+import jax
+import numpy as np
+
+from r1jax.parallel import distributed
+from r1jax.train.metrics import MetricsWriter, Progress, log_line
+
+_EARLY = {"signum": 0}
+
+
+def catch_stop_signals_early() -> None:
+    """Record SIGTERM/SIGUSR1 from process start (their default action kills the process), so a
+    signal that arrives while the run starts up still ends in a checkpoint at the first step."""
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, lambda signum, frame: _EARLY.update(signum=signum))
+
+
+class StopSignal:
+    """SIGTERM/SIGUSR1 set a flag the loop checks between steps (handlers only in the main thread).
+
+    With several processes the flag is voted on every step (`agreed`), so that all of them stop
+    at the same step even when only one was signalled."""
+
+    def __init__(self):
+        self.signum, _EARLY["signum"] = _EARLY["signum"], 0
+        self._old = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGUSR1):
+                self._old[sig] = signal.signal(sig, self._handle)
+        self._vote = distributed.StopVote() if jax.process_count() > 1 else None
+
+    def _handle(self, signum, frame):
+        self.signum = signum
+
+    def agreed(self) -> str | None:
+        """The signal to stop on; call once per step on every process."""
+        signum = self.signum if self._vote is None else self._vote(self.signum)
+        return signal.Signals(signum).name if signum else None
+
+    def restore(self):
+        for sig, h in self._old.items():
+            signal.signal(sig, h)
+
+
+class Evaluator:
+    """The run's evaluation: one eval step, built (and so compiled) once per run, over fresh
+    held-out batches each time. `eval_step(state, batch)` returns {name: (sum, count)}; what is
+    reported is each sum / count over the batches, `loss` (the objective's `lm_loss`) with its
+    perplexity, and `tokens`."""
+
+    def __init__(self, eval_step: Callable, batches: Callable[[], Iterator[dict]], n_batches: int,
+                 place: Callable[[dict], Any], writer: MetricsWriter):
+        self.step, self.batches, self.n, self.place, self.writer = eval_step, batches, n_batches, place, writer
+
+    def __call__(self, state, step: int) -> dict:
+        sums: dict[str, list[float]] = {}
+        it = self.batches()
+        for _ in range(self.n):
+            local = next(it, None)
+            if local is None:
+                break
+            for k, (s, c) in jax.device_get(self.step(state, self.place(local))).items():
+                acc = sums.setdefault(k, [0.0, 0.0])
+                acc[0], acc[1] = acc[0] + float(s), acc[1] + float(c)
+        if not sums or sums["lm_loss"][1] == 0:
+            return {}
+        out = {k: s / c for k, (s, c) in sums.items() if c}
+        loss = out.pop("lm_loss")
+        out = {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": sums["lm_loss"][1], **out}
+        self.writer.write(step, out, prefix="eval")
+        log_line(f"eval @ {step}: loss {loss:.4f}, perplexity {out['perplexity']:.2f} over {int(out['tokens'])} tokens")
+        return out
+
+
+def summarise(window: list[dict]) -> dict:
+    """Mean of each metric over the logged window; per-layer expert imbalance kept as a list."""
+    out = {}
+    for k in window[-1]:
+        vals = np.asarray([w[k] for w in window], np.float64)
+        if vals.ndim == 2:
+            per_layer = vals.mean(0)
+            out[k] = float(per_layer.max())
+            out[k + "_layers"] = [float(x) for x in per_layer]
+        else:
+            out[k] = float(vals.mean())
+    for k in ("lr", "loss_scale"):
+        out[k] = float(np.asarray(window[-1][k]))
+    out["skipped"] = float(sum(float(w["skipped"]) for w in window))
+    return out
+
+
+@dataclasses.dataclass
+class Result:
+    state: Any
+    compile_s: float | None
+    stopped: str | None        # None, "SIGTERM", "SIGUSR1" or "train.stop_at"
+
+
+def run(step_fn: Callable, state, batches: Iterator[dict], *, place: Callable[[dict], Any], start: int, end: int,
+        total: int, log_every: int, writer: MetricsWriter, checkpointer, save_meta: dict,
+        evaluator: Evaluator | None, eval_every: int, tokens_per_step: int, flops_per_token: float,
+        peak_flops: float, block_each_step: bool = False) -> Result:
+    """Steps start+1 .. end (of `total`); see the module docstring."""
+    progress = Progress(total, start)
+    stop = StopSignal()
+    last_t, last_step, compile_s, window, stopped = time.time(), start, None, [], None
+    try:
+        for step in range(start, end):
+            state, metrics = step_fn(state, place(next(batches)))
+            window.append(metrics)
+            done = step + 1
+            if block_each_step or step == start:
+                jax.block_until_ready(metrics)
+                if step == start:
+                    compile_s = time.time() - last_t
+                    last_t, last_step = time.time(), done
+            progress.update(done, metrics if progress.live else None)
+            if done % log_every == 0 or done == total:
+                vals = summarise(jax.device_get(window))
+                window = []
+                now = time.time()
+                vals["step_time"] = (now - last_t) / max(done - last_step, 1)
+                vals["tokens_per_s"] = tokens_per_step / max(vals["step_time"], 1e-9)
+                vals["mfu"] = flops_per_token * vals["tokens_per_s"] / peak_flops
+                last_t, last_step = now, done
+                writer.write(done, vals)
+                progress.log(done, vals)
+            asked = stop.agreed()
+            paused = time.time()
+            if evaluator is not None and eval_every and done % eval_every == 0 and done < total:
+                evaluator(state, done)
+            if asked or (done == end < total):
+                stopped = asked or "train.stop_at"
+                break
+            if checkpointer.should_save(done):
+                checkpointer.save(state, batches, meta=save_meta)
+            last_t += time.time() - paused
+    finally:
+        stop.restore()
+        progress.close()
+    return Result(state, compile_s, stopped)

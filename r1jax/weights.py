@@ -1,0 +1,147 @@
+"""A run's weights onto its mesh: fresh from the seed, or from `model.init_from` (`hf:PATH`, an HF
+DeepseekV3 directory; `orbax:PATH`, an r1jax checkpoint directory), every leaf created directly
+in its shards and in the run's pipeline layout.
+
+Nothing is initialised twice: a fresh model is one compiled init whose outputs are the sharded
+leaves; a loaded one is read leaf by leaf from its source into the abstract target, and only
+the leaves the source lacks (MTP modules an HF checkpoint does not carry) come from the init,
+which then computes just those. Sources are read in model order; the pipeline layout is applied
+to each stack leaf on the host before it is placed.
+"""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from r1jax import config as configlib
+from r1jax import model as modellib
+from r1jax.checkpoint import params as ckpt_params
+from r1jax.config import Config, ConfigError, KernelConfig, ModelConfig, Remat
+from r1jax.convert import hf
+from r1jax.parallel import mesh as meshlib
+from r1jax.parallel import pipeline
+from r1jax.parallel.pipeline import Layout
+
+Getter = Callable[[tuple], np.ndarray]
+
+
+def graph(cfg: Config) -> tuple[nnx.GraphDef, nnx.State]:
+    """(graphdef, abstract model-order state) of the model `cfg` describes and runs."""
+    return modellib.abstract(cfg.model, cfg.kernels, modellib.COMPUTE_DTYPES[cfg.train.dtype], cfg.train.remat)
+
+
+def target(cfg: Config, mesh: Mesh, layout: Layout | None) -> tuple[nnx.GraphDef, nnx.State]:
+    """(graphdef, the state in `layout` as ShapeDtypeStructs carrying their shardings on `mesh`)."""
+    graphdef, abs_state = graph(cfg)
+    return graphdef, _sharded(pipeline.to_slots(abs_state, layout), mesh)
+
+
+def _sharded(abs_state: nnx.State, mesh: Mesh) -> nnx.State:
+    sh = meshlib.shardings(abs_state, mesh)
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abs_state, sh)
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled_init(m: ModelConfig, mesh: Mesh | None, layout: Layout | None, paths: tuple | None):
+    """The init as one compiled program (its leaves in their shards on `mesh`; on the default
+    device without one). Building the module eagerly dispatches every random draw on its own,
+    which XLA:CPU compiles one by one: about 20 s for tests' tiny models against 5 s here."""
+    _, abs_state = modellib.abstract(m)
+    tgt = pipeline.to_slots(abs_state, layout)
+    if paths is not None:
+        tgt = _only(tgt, paths)
+
+    def init(seed):
+        # drawn in model order, so that every layout starts from the same weights; with `paths`
+        # XLA computes only the draws those leaves need
+        state = pipeline.to_slots(nnx.state(modellib.Transformer(m, rngs=nnx.Rngs(jax.random.key(seed)))), layout)
+        return state if paths is None else _only(state, paths)
+
+    # Each random draw is its own XLA computation and XLA:CPU spends ~0.25 s optimising each;
+    # init runs once, so on CPU compile it without backend optimisation (about 2x faster).
+    options = {"xla_backend_optimization_level": 0} if jax.default_backend() == "cpu" else {}
+    seed = jax.ShapeDtypeStruct((), jnp.uint32)
+    if mesh is None:
+        return jax.jit(init).lower(seed).compile(options)
+    with meshlib.activate(mesh):
+        return jax.jit(init, out_shardings=meshlib.shardings(tgt, mesh)).lower(seed).compile(options)
+
+
+def _only(state: nnx.State, paths: tuple) -> nnx.State:
+    keep = set(paths)
+    return nnx.from_flat_state([(p, v) for p, v in nnx.to_flat_state(state) if p in keep])
+
+
+def fresh(cfg: Config, mesh: Mesh, layout: Layout | None = None, paths: list[tuple] | None = None) -> nnx.State:
+    """Freshly initialised weights from `train.seed` in their shards and in `layout` (only the
+    leaves at `paths` when given: the same values the whole init would give them)."""
+    init = _compiled_init(cfg.model, mesh, layout, None if paths is None else tuple(paths))
+    with meshlib.activate(mesh):
+        return init(jnp.uint32(cfg.train.seed))
+
+
+def create(m: ModelConfig, kernels: KernelConfig = KernelConfig(), dtype=jnp.float32, remat: Remat = Remat.none,
+           *, seed: int = 0) -> modellib.Transformer:
+    """A plain model (no mesh: the default device) with the weights a run with `train.seed=seed`
+    starts from; the same as `Transformer(m, ..., rngs=nnx.Rngs(jax.random.key(seed)))`, built by
+    one compiled init instead of op by op."""
+    graphdef, _ = modellib.abstract(m, kernels, dtype, remat)
+    return nnx.merge(graphdef, _compiled_init(m, None, None, None)(jnp.uint32(seed)))
+
+
+def place(target_state: nnx.State, get: Getter, layout: Layout | None) -> nnx.State:
+    """`target_state` (in `layout`, with shardings) filled from `get(path)`, model-order host
+    arrays, one leaf at a time."""
+    def get_in_layout(path):
+        a = get(path)
+        return layout.to_slots(np.asarray(a)) if layout is not None and path[0] == pipeline.STACK else a
+    return meshlib.put(target_state, get_in_layout)
+
+
+def leaf_getter(state: nnx.State) -> Getter:
+    """`get(path)` over a (model-order) state's leaves, pulled to the host one at a time."""
+    values = modellib.leaves(state)
+    return lambda path: np.asarray(jax.device_get(values[path]))
+
+
+def _source(cfg: Config) -> tuple[ModelConfig, set[tuple[str, ...]], Getter, str]:
+    """(source model config, its leaves' keys, a getter by nnx path, the source directory)."""
+    kind, path = cfg.model.init_from.split(":", 1)
+    if not Path(path).is_dir():
+        raise ConfigError(f"model.init_from={cfg.model.init_from}: {path} is not a directory")
+    if kind == "hf":
+        src_cfg, builders = hf.leaf_builders(path)
+        by_key = {ckpt_params.path_key(p): b for p, b in builders.items()}
+        return src_cfg, set(by_key), lambda p: by_key[ckpt_params.path_key(p)](), path
+    src_cfg = ckpt_params.read_model_config(path)
+    reader = ckpt_params.ParamsReader(path)
+    return src_cfg, set(reader.shapes), reader.read, path
+
+
+def initial(cfg: Config, mesh: Mesh, layout: Layout | None, log: Callable[[str], None] = print) -> nnx.State:
+    """A new run's weights: fresh, or those `model.init_from` names (architecture keys must
+    match; MTP modules the source lacks start fresh)."""
+    if not cfg.model.init_from:
+        return fresh(cfg, mesh, layout)
+    src_cfg, have, get, where = _source(cfg)
+    configlib.check_same_architecture(cfg.model, src_cfg, where, "model.init_from")
+    _, tgt = target(cfg, mesh, layout)
+    paths = [p for p, _ in nnx.to_flat_state(tgt)]
+    missing = [p for p in paths if ckpt_params.path_key(p) not in have]
+    if any(p[0] != "mtp" for p in missing):
+        bad = next(p for p in missing if p[0] != "mtp")
+        raise ConfigError(f"model.init_from: {where} lacks {'/'.join(map(str, bad))}")
+    loaded = place(_only(tgt, tuple(p for p in paths if p not in missing)), get, layout)
+    log(f"initial weights from {cfg.model.init_from}")
+    if not missing:
+        return loaded
+    log(f"init_from {where}: no MTP weights there; MTP modules start fresh")
+    flat = dict(nnx.to_flat_state(loaded)) | dict(nnx.to_flat_state(fresh(cfg, mesh, layout, missing)))
+    return nnx.from_flat_state([(p, flat[p]) for p in paths])
