@@ -19,6 +19,9 @@ $(VENV)/.installed-test: $(VENV)/.installed
 
 demo: $(VENV)/.installed
 	$(BIN)/python -m r1jax.train --config configs/demo.yaml
+	@echo "--- a sample from the model just trained (python -m r1jax.generate --model runs/demo ...):"
+	$(BIN)/python -m r1jax.generate --model runs/demo --prompt "def read_config(path):" \
+		--max-new-tokens 64 --temperature 0.7 --top-p 0.95 --seed 0 --speculative
 
 test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15

@@ -5,7 +5,8 @@
 # ~1.1B model (bench/configs/dense_1b.yaml) and a small MoE (bench/configs/moe_gpu.yaml, with
 # the ragged grouped-GEMM and the fixed-capacity expert paths), printing tokens/s, MFU over the
 # device's datasheet bf16 peak and XLA's memory analysis. A config that fails (out of memory, say)
-# is reported and the script goes on to the next. Target: MFU >= 45% on the dense config.
+# is reported and the script goes on to the next. Target: MFU >= 45% on the dense config. Last,
+# generation on the MoE config in bf16 (decode tokens/s at batch 1 and 64).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results/gpu}
@@ -36,7 +37,10 @@ run dense_1b --config bench/configs/dense_1b.yaml --dtypes bf16
 run dense_1b_remat_none --config bench/configs/dense_1b.yaml --dtypes bf16 train.remat=none
 run moe_gpu_ragged --config bench/configs/moe_gpu.yaml --dtypes bf16 kernels.moe_dispatch=ragged
 run moe_gpu_capacity --config bench/configs/moe_gpu.yaml --dtypes bf16 kernels.moe_dispatch=capacity
+# generation: bf16 compute and cache, tokens/s at batch 1 and 64 (r1jax alone: no CUDA torch here)
+run generate_moe_gpu --config bench/configs/moe_gpu.yaml --mode generate --batch-sizes 1,64 --prompt-len 128 \
+    --new-tokens 128 --moe-decode dropless infer.dtype=bf16 infer.cache_dtype=bf16
 
 echo; echo "=== summary ($(date -u +%FT%TZ))"
-for f in "$OUT"/*.md; do [ -f "$f" ] && { echo "--- $f"; grep '^| r1jax' "$f"; }; done
+for f in "$OUT"/*.md; do [ -f "$f" ] && { echo "--- $f"; grep -E '^\| (r1jax|[0-9]+ \| [0-9]+ \| r1jax)' "$f"; }; done
 exit $status

@@ -21,7 +21,7 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
-ORDER = ["bench", "data_pipeline", "remat", "attention", "accum", "memory", "compile_time"]
+ORDER = ["bench", "generate", "data_pipeline", "remat", "attention", "accum", "memory", "compile_time"]
 SCRIPTS = ["data_pipeline", "remat", "attention", "accum", "compile_time", "memory"]
 COMPARE_CONFIGS = ["bench/configs/dense_small.yaml", "bench/configs/moe_small.yaml"]
 
@@ -42,6 +42,9 @@ def commands() -> list[list[str]]:
     # bf16 on a CPU without native bf16 matmuls: torch takes ~40 s a step, so 3 steps
     cmds.append([sys.executable, "-m", "r1jax.bench", "--config", COMPARE_CONFIGS[0], "--compare", "torch",
                  "--dtypes", "bf16", "--steps", "2", "--warmup", "1", "--out", "bench/results/bench_dense_small_bf16"])
+    cmds.append([sys.executable, "-m", "r1jax.bench", "--config", COMPARE_CONFIGS[1], "--compare", "torch",
+                 "--mode", "generate", "--batch-sizes", "1,8,32", "--prompt-len", "64", "--new-tokens", "64",
+                 "--context", "2048", "--out", "bench/results/generate_moe_small"])
     return cmds
 
 

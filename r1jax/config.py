@@ -197,6 +197,18 @@ class KernelConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class InferConfig:
+    """Generation (r1jax/infer): how prefill and decode compute. Sampling is per request."""
+    dtype: DType = DType.fp32          # compute dtype (parameters stay fp32 masters)
+    cache_dtype: DType = DType.bf16    # the latent cache's storage dtype
+    batch_size: int = 8                # rows decoded together (generate --batch-size)
+    max_len: int = 0                   # cache positions per row; 0: the bucket of prompt + new tokens
+    decode_chunk: int = 16             # decode steps per dispatch (output streams per chunk)
+    moe_decode: MoEDispatch = MoEDispatch.auto   # routed experts at decode; auto: by batch bucket
+    decode_tile: int = 8               # rows per expert tile for dropless at decode
+
+
+@dataclasses.dataclass(frozen=True)
 class LossConfig:
     objective: ObjectiveKind = ObjectiveKind.lm
     mtp_loss_weight: float = 0.3       # lambda in L = L_main + lambda/D * sum_k L_mtp^k
@@ -291,6 +303,7 @@ class Config:
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
     pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)
+    infer: InferConfig = dataclasses.field(default_factory=InferConfig)
 
 
 # ----------------------------------------------------------------------------------- loading
@@ -530,10 +543,19 @@ def validate_kernels(k: KernelConfig) -> None:
     _need(k.capacity_factor > 0, f"kernels.capacity_factor={k.capacity_factor}: must be > 0")
 
 
+def validate_infer(i: InferConfig) -> None:
+    for name in ("batch_size", "decode_chunk", "decode_tile"):
+        _need(getattr(i, name) > 0, f"infer.{name}={getattr(i, name)}: must be a positive integer")
+    _need(i.max_len >= 0, f"infer.max_len={i.max_len}: must be >= 0 (0: sized from the requests)")
+    _need(i.moe_decode is not MoEDispatch.capacity,
+          "infer.moe_decode=capacity: drops tokens; decoding must be exact (auto, dropless, ragged or loop)")
+
+
 def validate(cfg: Config) -> None:
     m, mesh, d, o, t, c = cfg.model, cfg.mesh, cfg.data, cfg.optim, cfg.train, cfg.checkpoint
     validate_model(m)
     validate_kernels(cfg.kernels)
+    validate_infer(cfg.infer)
     ls = cfg.loss
     _need(ls.mtp_loss_weight >= 0, f"loss.mtp_loss_weight={ls.mtp_loss_weight}: must be >= 0")
     _need(ls.seq_aux_loss_alpha >= 0, f"loss.seq_aux_loss_alpha={ls.seq_aux_loss_alpha}: must be >= 0")

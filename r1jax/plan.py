@@ -586,10 +586,14 @@ def evaluate(cfg: Config, mesh: dict[str, int], hardware: str, backend: str = "g
 
 
 def kv_cache(m: configlib.ModelConfig, bytes_per: int = 2) -> dict[str, int]:
-    """MLA's latent cache: the normalised latent c [C] and the shared rope key [R], per layer."""
-    per_token = (m.kv_lora_rank + m.qk_rope_head_dim) * m.num_hidden_layers * bytes_per
+    """MLA's latent cache: the normalised latent c [C] and the shared rope key [R], per layer
+    (r1jax/infer/cache.py), and what per-head keys and values would take."""
+    from r1jax.infer import cache as cachelib
+    dtype = {2: "bfloat16", 4: "float32"}[bytes_per]
+    per_token = cachelib.bytes_per_token(m, dtype)
     return {"per_token": per_token, "max_positions": m.max_position_embeddings,
-            "per_sequence": per_token * m.max_position_embeddings}
+            "per_sequence": per_token * m.max_position_embeddings,
+            "mha_per_token": cachelib.mha_bytes_per_token(m, dtype)}
 
 
 def rules_of_thumb(cfg: Config, devices: int, hardware: str) -> dict[str, Any]:
@@ -697,7 +701,8 @@ def report(cfg: Config, r: dict[str, Any]) -> str:
     kv = r["kv_cache"]
     lines.append(f"inference KV cache (MLA latent, bf16): {kv['per_token'] / 2**10:,.1f} KiB per token "
                  f"(({m.kv_lora_rank} + {m.qk_rope_head_dim}) x {m.num_hidden_layers} layers x 2 B), "
-                 f"{_gib(kv['per_sequence'])} per sequence of {kv['max_positions']:,} tokens")
+                 f"{_gib(kv['per_sequence'])} per sequence of {kv['max_positions']:,} tokens; per-head K/V "
+                 f"would take {kv['mha_per_token'] / 2**10:,.1f} KiB per token ({kv['mha_per_token'] / kv['per_token']:.1f}x)")
     th = r["rules_of_thumb"]
     lines.append(f"rule of thumb 'GPU memory >= 1.5 x parameters' (all GPUs together vs 1.5 x the weights in bf16): "
                  f"{_gib(th['gpu_memory_total'])} vs {_gib(th['one_and_half_bf16_params'])} "

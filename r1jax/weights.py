@@ -105,6 +105,12 @@ def place(target_state: nnx.State, get: Getter, layout: Layout | None) -> nnx.St
     return meshlib.put(target_state, get_in_layout)
 
 
+def onto(state: nnx.State, mesh: Mesh) -> nnx.State:
+    """A model-order state (e.g. a plain model's) placed on `mesh` by its logical names."""
+    abs_state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
+    return place(_sharded(abs_state, mesh), leaf_getter(state), None)
+
+
 def leaf_getter(state: nnx.State) -> Getter:
     """`get(path)` over a (model-order) state's leaves, pulled to the host one at a time."""
     values = modellib.leaves(state)

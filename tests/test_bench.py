@@ -60,3 +60,23 @@ def test_bench_refuses_what_the_reference_lacks(tmp_path):
     assert not list(tmp_path.iterdir())
     proc = _bench("--config", "configs/tiny.yaml", "--dtypes", "fp8", "--out", str(tmp_path / "x"))
     assert proc.returncode == 2 and "--dtypes fp8" in proc.stderr and "\n" not in proc.stderr.strip()
+
+
+def test_bench_generate_against_transformers(tmp_path):
+    """--mode generate: both frameworks greedy on the same export and prompts, every experts
+    implementation of transformers, speculative r1jax; the JSON carries the ratios the issue
+    names and the tokens agree."""
+    prefix = tmp_path / "gen"
+    proc = _bench("--config", "configs/tiny.yaml", "--compare", "torch", "--mode", "generate", "--batch-sizes", "1,2",
+                  "--prompt-len", "8", "--new-tokens", "6", "--rounds", "1", "--repeats", "1", "--moe-decode", "auto",
+                  "--speculative", "--out", str(prefix), "mesh.data=1")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    result = json.loads(prefix.with_suffix(".json").read_text())
+    assert set(result["decode_speedup"]) == {"1", "2"} and all(v > 0 for v in result["decode_speedup"].values())
+    assert 0 < result["b1_bandwidth_fraction"] and result["bandwidth_GBps"] > 0
+    assert 0 <= result["speculative_b1"]["acceptance"] <= 1
+    for row in result["rows"]:
+        assert set(row["torch"]) == {"grouped_mm", "eager", "batched_mm"}
+        assert row["tokens_equal"] == 1.0
+    assert prefix.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "decode_speedup" in proc.stdout and "| r1jax | auto |" in prefix.with_suffix(".md").read_text()

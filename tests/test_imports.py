@@ -130,14 +130,14 @@ def _declared(specs: list[str]) -> set[str]:
 
 
 def test_dependencies_match_the_imports():
-    """The package's imports are its dependencies (the PyTorch reference worker's are the
+    """The package's imports are its dependencies (the PyTorch reference workers' are the
     `compare` extra); the tests' other imports are the `test` extra (pytest-xdist is a plugin)."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]
-    worker = PKG / "bench" / "torch_ref.py"
-    used = _distributions(_third_party(p for p in PKG.rglob("*.py") if p != worker))
+    workers = [PKG / "bench" / "torch_ref.py", PKG / "bench" / "torch_generate.py"]
+    used = _distributions(_third_party(p for p in PKG.rglob("*.py") if p not in workers))
     assert used == _declared(project["dependencies"])
-    assert _distributions(_third_party([worker])) - used == _declared(extras["compare"])
+    assert _distributions(_third_party(workers)) - used == _declared(extras["compare"])
     local = {p.stem for p in (ROOT / "tests").glob("*.py")}
     tests = _distributions(_third_party((ROOT / "tests").glob("*.py")) - local) - used
     assert tests == _declared(extras["test"]) - {"pytest-xdist"}

@@ -149,6 +149,27 @@ def test_training_checkpoint_converts_to_hf(tiny_run, tmp_path):
     assert m.config.num_hidden_layers == 3
 
 
+def test_generate_samples_from_the_run_directory(tiny_run, tmp_path):
+    """`python -m r1jax.generate --model RUN_DIR`: the run's checkpoint and tokenizer; with
+    --speculative (its trained MTP module drafting) the greedy completions are the same."""
+    import os
+    import subprocess
+    import sys
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"prompt": "def main("}\n{"prompt": "import os\\nimport", "max_new_tokens": 5}\n')
+    outs = []
+    for extra in ([], ["--speculative"]):
+        dst = tmp_path / f"out{len(outs)}.jsonl"
+        p = subprocess.run([sys.executable, "-m", "r1jax.generate", "--model", str(tiny_run), "--input", str(src),
+                            "--output", str(dst), "--max-new-tokens", "12", "--ignore-eos", *extra],
+                           capture_output=True, text=True, env={**os.environ, "JAX_NUM_CPU_DEVICES": "1"}, cwd=ROOT)
+        assert p.returncode == 0, p.stderr
+        outs.append([json.loads(x) for x in dst.read_text().splitlines()])
+    assert "MTP drafts accepted" in p.stderr
+    assert outs[0] == outs[1]
+    assert [r["completion_tokens"] for r in outs[0]] == [12, 5] and all(r["completion"] for r in outs[0])
+
+
 def test_packing_keeps_every_token_and_splits_long_documents():
     cfg = configlib.load(ROOT / "configs" / "tiny.yaml")
     docs = open_corpus(cfg.data)

@@ -71,6 +71,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtypes", default="", help="comma-separated train.dtype values to run (default: the config's)")
     p.add_argument("--out", default="", help="output prefix (default bench/results/bench_<config name>)")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic batches")
+    p.add_argument("--mode", choices=["train", "generate"], default="train",
+                   help="generate: r1jax's generator against transformers' generate (r1jax/bench/generation.py)")
+    p.add_argument("--batch-sizes", default="1,8,32", help="generate: batch sizes")
+    p.add_argument("--prompt-len", type=int, default=64, help="generate: prompt tokens")
+    p.add_argument("--new-tokens", type=int, default=64, help="generate: new tokens per row")
+    p.add_argument("--context", type=int, default=0, help="generate: also a batch-1 row with this prompt length")
+    p.add_argument("--speculative", action="store_true", help="generate: also r1jax with MTP speculation")
+    p.add_argument("--weights", default=None, help="generate: SRC of trained weights (run dir, orbax:, hf:)")
+    p.add_argument("--rounds", type=int, default=2, help="generate: alternating rounds (best kept)")
+    p.add_argument("--repeats", type=int, default=2, help="generate: timed repeats per process (best kept)")
+    p.add_argument("--moe-decode", default="auto", help="generate: r1jax infer.moe_decode variants (comma-separated)")
     p.add_argument("overrides", nargs="*", help="section.key=value")
     args = p.parse_args(argv)
     try:
@@ -81,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         bad = [d for d in dtypes if d not in {x.value for x in DType}]
         if bad:
             raise ConfigError(f"--dtypes {bad[0]}: allowed {', '.join(x.value for x in DType)}")
-        if args.compare:
+        if args.compare and args.mode == "train":
             _check_comparable(cfg)
         cpus = sorted(os.sched_getaffinity(0))
         if args.threads > len(cpus) or args.threads < 0:
@@ -91,6 +102,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     threads = args.threads or len(cpus)
     os.sched_setaffinity(0, cpus[:threads])     # inherited by every worker process
+    if args.mode == "generate":
+        from r1jax.bench import generation
+        prefix = Path(args.out) if args.out else Path("bench") / "results" / f"generate_{Path(args.config).stem}"
+        result = generation.run(args, cfg, threads, cpus)
+        result.update(machine=f"{_cpu_model()}, {os.cpu_count()} CPUs", config_name=Path(args.config).name,
+                      date=datetime.datetime.now().astimezone().isoformat(timespec="minutes"),
+                      command="python -m r1jax.bench " + " ".join(argv if argv is not None else sys.argv[1:]))
+        paths = generation.write(result, prefix)
+        print("\n" + generation.table(result))
+        print("\ndecode_speedup " + json.dumps({k: round(v, 2) for k, v in result["decode_speedup"].items()})
+              + (f"; b1_bandwidth_fraction {result['b1_bandwidth_fraction']:.2f}" if "b1_bandwidth_fraction" in result else "")
+              + (f"; speculative b1 {json.dumps(result['speculative_b1'])}" if "speculative_b1" in result else ""))
+        print("wrote " + ", ".join(map(str, paths)))
+        return 0
 
     from r1jax.bench import report
     from r1jax.bench.workload import batches

@@ -109,11 +109,11 @@ def _tile_matmul_bwd(res, g):
 tile_matmul.defvjp(_tile_matmul_fwd, _tile_matmul_bwd)
 
 
-def routed_dropless(x, w, idx, gate, up, down, *, tile: int = 64, **_):
-    """Expert ids >= E (the local expert count) mark pairs handled elsewhere: they get no tile
-    and contribute zero (expert parallelism passes every token with only local experts valid)."""
+def _tiles(idx, E: int, tile: int):
+    """The dropless layout of the T*k pairs: (row_token [rows] (T: an empty row), tile_e
+    [n_tiles], live_tiles, pair_row [T*k] (`rows`: nowhere), n_tiles). Every expert's pairs fill
+    whole tiles of `tile` rows; expert ids >= E get no row."""
     T, k = idx.shape
-    E, D = gate.shape[0], x.shape[1]
     Tk = T * k
     n_tiles = -(-(Tk + E * (tile - 1)) // tile)        # static bound: every expert wastes < 1 tile
     rows = n_tiles * tile
@@ -131,14 +131,26 @@ def routed_dropless(x, w, idx, gate, up, down, *, tile: int = 64, **_):
     # count rather than searchsorted, which shard_map's varying-axis checks reject)
     starts_n = jnp.arange(n_tiles, dtype=jnp.int32)[:, None] * tile
     tile_e = jnp.minimum(jnp.sum(padded_end[None, :] <= starts_n, axis=1), E - 1).astype(jnp.int32)
+    pair_row = jnp.zeros((Tk,), jnp.int32).at[order].set(dest)          # (t, j) -> padded row
+    return row_token, tile_e, live_tiles, pair_row, n_tiles
+
+
+def _combine(o_rows, pair_row, w, T: int, k: int, dtype):
+    o = jnp.concatenate([o_rows, jnp.zeros((1, o_rows.shape[1]), o_rows.dtype)])   # row `rows`: zeros
+    return jnp.einsum("tkd,tk->td", o[pair_row].reshape(T, k, -1), w.astype(dtype))
+
+
+def routed_dropless(x, w, idx, gate, up, down, *, tile: int = 64, **_):
+    """Expert ids >= E (the local expert count) mark pairs handled elsewhere: they get no tile
+    and contribute zero (expert parallelism passes every token with only local experts valid)."""
+    T, k = idx.shape
+    E, D = gate.shape[0], x.shape[1]
+    row_token, tile_e, live_tiles, pair_row, n_tiles = _tiles(idx, E, tile)
     x_rows = jnp.concatenate([x, jnp.zeros((1, D), x.dtype)])[row_token].reshape(n_tiles, tile, D)
     g = tile_matmul(x_rows, gate, tile_e, live_tiles)
     u = tile_matmul(x_rows, up, tile_e, live_tiles)
-    o = tile_matmul(jax.nn.silu(g) * u, down, tile_e, live_tiles).reshape(rows, D)
-    o = jnp.concatenate([o, jnp.zeros((1, D), o.dtype)])                # row `rows`: zeros
-    pair_row = jnp.zeros((Tk,), jnp.int32).at[order].set(dest)          # (t, j) -> padded row
-    out = o[pair_row].reshape(T, k, D)
-    return jnp.einsum("tkd,tk->td", out, w.astype(x.dtype)), jnp.int32(0)
+    o = tile_matmul(jax.nn.silu(g) * u, down, tile_e, live_tiles).reshape(n_tiles * tile, D)
+    return _combine(o, pair_row, w, T, k, x.dtype), jnp.int32(0)
 
 
 # ------------------------------------------------------------------------------ ragged_dot

@@ -1,4 +1,4 @@
-"""Multi-head Latent Attention (DeepSeek-V2/V3), training/prefill path.
+"""Multi-head Latent Attention (DeepSeek-V2/V3): training, prefill and absorbed decode.
 
 Shapes: B batch, T/S query/key positions, D hidden, N heads, Q q_lora_rank, C kv_lora_rank,
 K qk_nope_head_dim (dn), R qk_rope_head_dim (dr), H = K+R the query/key head dim, V v_head_dim.
@@ -18,7 +18,8 @@ key, so the key is never broadcast to N heads. `kernels.attention` picks how the
 score/softmax/value core runs: `dense` materialises the [B, N, T, S] scores (the
 parity-measured path; fastest at short T), `flash` runs it in blocks of
 `kernels.attention_block` positions (r1jax/kernels/flash.py; memory linear in T, about half the
-FLOPs under the causal mask). The latent norms use eps 1e-6 whatever `rms_norm_eps` is, as in
+FLOPs under the causal mask). Decoding writes c and the rope key into the cache and attends
+over it with `absorbed_attention` (r1jax/model/kv.py says when). The latent norms use eps 1e-6 whatever `rms_norm_eps` is, as in
 the reference.
 """
 from __future__ import annotations
@@ -32,9 +33,11 @@ from r1jax.config import AttentionImpl, KernelConfig, ModelConfig
 from r1jax.kernels.flash import flash_attention
 from r1jax.logical import constrain
 from r1jax.model import rope
+from r1jax.model.kv import LayerKV
 from r1jax.model.layers import dense, F32, RMSNorm, cast, const_param, normal_param
 
 LATENT_NORM_EPS = 1e-6
+HEADS = ("batch", "seq", "act_heads", None)
 
 
 def attention_mask(segment_ids_BT: jax.Array) -> jax.Array:
@@ -43,6 +46,21 @@ def attention_mask(segment_ids_BT: jax.Array) -> jax.Array:
     causal = jnp.tril(jnp.ones((T, T), dtype=bool))
     same = segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :]
     return (causal[None] & same)[:, None]
+
+
+def absorbed_attention(q_nope_BTNK, q_rope_BTNR, wk_b_CNK, wv_b_CNV, c_BSC, kr_BSR, q_pos_BT, scale):
+    """[B, T, N, V]: attention over a latent cache without expanding it (DeepSeek's "absorb").
+    W_UK is folded into the query (q_nope . (c W_UK) = (q_nope W_UK^T) . c) and W_UV applied to
+    the attended latent; key s is visible to a query at position p when s <= p. The score's
+    scale is 1/sqrt(K+R) as in the expanded form (the latent's width C does not enter it)."""
+    ql_BTNC = jnp.einsum("BTNK,CNK->BTNC", q_nope_BTNK, wk_b_CNK)
+    scores = (jnp.einsum("BTNC,BSC->BNTS", ql_BTNC, c_BSC)
+              + jnp.einsum("BTNR,BSR->BNTS", q_rope_BTNR, kr_BSR)).astype(F32) * scale
+    visible = jnp.arange(c_BSC.shape[1], dtype=jnp.int32)[None, None, :] <= q_pos_BT[:, :, None]   # [B,T,S]
+    scores = jnp.where(visible[:, None], scores, jnp.finfo(F32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(c_BSC.dtype)
+    o_BTNC = jnp.einsum("BNTS,BSC->BTNC", probs, c_BSC)
+    return jnp.einsum("BTNC,CNV->BTNV", o_BTNC, wv_b_CNV)
 
 
 def dense_attention(q_nope_BTNK, q_rope_BTNR, k_nope_BSNK, k_rope_BSR, v_BSNV, segment_ids_BT, scale):
@@ -84,28 +102,41 @@ class MLA(nnx.Module):
     def _bias(self, y, name):
         return y + cast(getattr(self, name), self.dtype) if self.cfg.attention_bias else y
 
-    def __call__(self, x_BTD, cos_BTR, sin_BTR, segment_ids_BT):
-        cfg, kn, dt = self.cfg, self.kernels, self.dtype
+    def _project(self, x_BTD, cos_BTR, sin_BTR):
+        """q_nope [B,T,N,K], roped q_rope [B,T,N,R], the normed latent c [B,T,C], the roped key [B,T,R]."""
+        cfg, dt = self.cfg, self.dtype
         K = cfg.qk_nope_head_dim
-        heads = ("batch", "seq", "act_heads", None)
         if cfg.q_lora_rank is None:
             q = dense(x_BTD, cast(self.wq_DNH, dt))                                # BTD,DNH->BTNH
         else:
             qa = self._bias(dense(x_BTD, cast(self.wq_a_DQ, dt)), "bq_a_Q")         # BTD,DQ->BTQ
             q = dense(self.q_norm(qa), cast(self.wq_b_QNH, dt))                    # BTQ,QNH->BTNH
-        q = constrain(q, *heads)
+        q = constrain(q, *HEADS)
         q_nope, q_rope = q[..., :K], rope.apply(q[..., K:], cos_BTR, sin_BTR, cfg.rope_interleave)
-
         c = self.kv_norm(self._bias(dense(x_BTD, cast(self.wkv_a_DC, dt)), "bkv_a_C"))      # BTD,DC->BTC
         k_rope = rope.apply(self._bias(dense(x_BTD, cast(self.wk_rope_DR, dt)), "bk_rope_R"),  # BTD,DR->BTR
                             cos_BTR, sin_BTR, cfg.rope_interleave)
-        k_nope = constrain(dense(c, cast(self.wk_b_CNK, dt)), *heads)             # BTC,CNK->BTNK
-        v = constrain(dense(c, cast(self.wv_b_CNV, dt)), *heads)                  # BTC,CNV->BTNV
+        return q_nope, q_rope, c, k_rope
 
-        if kn.attention == AttentionImpl.flash:
-            o = flash_attention(q_nope, q_rope, k_nope, k_rope, v, segment_ids_BT, self.scale, kn.attention_block)
+    def __call__(self, x_BTD, cos_BTR, sin_BTR, segment_ids_BT, kv: LayerKV | None = None):
+        """[B,T,D]; with `kv` (r1jax/model/kv.py) also the cache with the new tokens written:
+        (out, kv). Training and prefill attend with expanded keys; `kv.absorbed` over the cache."""
+        kn, dt = self.kernels, self.dtype
+        q_nope, q_rope, c, k_rope = self._project(x_BTD, cos_BTR, sin_BTR)
+        if kv is not None:
+            kv = kv.write(c, k_rope)
+        if kv is not None and kv.absorbed:
+            c_BSC, kr_BSR = kv.read()
+            o = absorbed_attention(q_nope, q_rope, cast(self.wk_b_CNK, dt), cast(self.wv_b_CNV, dt),
+                                   c_BSC.astype(dt), kr_BSR.astype(dt), kv.positions, self.scale)
         else:
-            o = dense_attention(q_nope, q_rope, k_nope, k_rope, v, segment_ids_BT, self.scale)
-        o = constrain(o, *heads)
+            k_nope = constrain(dense(c, cast(self.wk_b_CNK, dt)), *HEADS)         # BTC,CNK->BTNK
+            v = constrain(dense(c, cast(self.wv_b_CNV, dt)), *HEADS)              # BTC,CNV->BTNV
+            if kn.attention == AttentionImpl.flash:
+                o = flash_attention(q_nope, q_rope, k_nope, k_rope, v, segment_ids_BT, self.scale, kn.attention_block)
+            else:
+                o = dense_attention(q_nope, q_rope, k_nope, k_rope, v, segment_ids_BT, self.scale)
+        o = constrain(o, *HEADS)
         out = self._bias(dense(o, cast(self.wo_NVD, dt), 2), "bo_D")             # BTNV,NVD->BTD
-        return checkpoint_name(constrain(out, "batch", "seq", "act_embed"), "attn_out")
+        out = checkpoint_name(constrain(out, "batch", "seq", "act_embed"), "attn_out")
+        return out if kv is None else (out, kv)

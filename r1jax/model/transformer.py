@@ -13,6 +13,7 @@ left by k, so the last k positions hold wrapped values that the loss masks out.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -23,6 +24,7 @@ from r1jax.config import KernelConfig, ModelConfig, Remat
 from r1jax.logical import constrain
 from r1jax.model import rope
 from r1jax.model.layers import F32, MLP, dense, Embed, RMSNorm, cast, normal_param
+from r1jax.model.kv import KV, LayerKV
 from r1jax.model.mla import MLA
 from r1jax.model.moe import MoE
 
@@ -44,6 +46,8 @@ class Output(NamedTuple):
     aux: dict[str, jax.Array]         # per MoE layer: load [L,E], dropped [L], idx [L,B*T,k],
                                       # balance [L] (summed over rows); per MTP depth the same
                                       # under mtp_load, mtp_dropped, mtp_idx, mtp_balance
+    hidden: jax.Array | None = None   # with a decode cache: the final-norm output [B, T, D]
+    kv: KV | None = None              # with a decode cache: the cache, new tokens written
 
 
 class Block(nnx.Module):
@@ -60,13 +64,18 @@ class Block(nnx.Module):
             self.mlp = MLP(D, cfg.intermediate_size, cfg.initializer_range, dtype, rngs=rngs)
         self.is_moe = moe
 
-    def __call__(self, x, cos, sin, segment_ids):
-        h = x + self.attn(self.input_norm(x), cos, sin, segment_ids)
+    def __call__(self, x, cos, sin, segment_ids, kv: LayerKV | None = None):
+        """(y, aux), or (y, aux, kv) when extending the decode cache `kv`."""
+        a = self.attn(self.input_norm(x), cos, sin, segment_ids, kv)
+        if kv is not None:
+            a, kv = a
+        h = x + a
         if self.is_moe:
             y, aux = self.mlp(self.post_attn_norm(h))
         else:
             y, aux = self.mlp(self.post_attn_norm(h)), {}
-        return constrain(h + y, "batch", "seq", "act_embed"), aux
+        y = constrain(h + y, "batch", "seq", "act_embed")
+        return (y, aux) if kv is None else (y, aux, kv)
 
 
 def _checkpointed(fn, remat: Remat):
@@ -91,6 +100,21 @@ def scan_blocks(graphdef, state, x, cos, sin, segment_ids, remat: Remat, valid=N
     return jax.lax.scan(_checkpointed(body, remat), x, (state, valid))
 
 
+def scan_blocks_kv(graphdef, state, x, cos, sin, segment_ids, kv: KV, name: str):
+    """`scan_blocks` extending stack `name` of the decode cache: the stack's whole cache rides in
+    the carry and each layer writes its entries in place at its index (as a scan's xs -> ys it
+    would be copied every step). -> (x, aux, kv)."""
+    def body(carry, xs):
+        h, st = carry
+        layer_state, layer = xs
+        y, aux, lkv = nnx.merge(graphdef, layer_state)(h, cos, sin, segment_ids, kv.with_stack(name, st).layer(name, layer))
+        return (y, lkv.stack), aux
+
+    stack = kv.stacks[name]
+    (x, stack), aux = jax.lax.scan(body, (x, stack), (state, jnp.arange(stack.latent.shape[0], dtype=jnp.int32)))
+    return x, aux, kv.with_stack(name, stack)
+
+
 class Stack(nnx.Module):
     """`n` identical blocks with stacked parameters (leading axis `layers`), applied with
     `lax.scan`, always in model order. A pipeline keeps its own layout of these leaves in the
@@ -104,9 +128,25 @@ class Stack(nnx.Module):
 
         self.layers = make(rngs)
 
-    def __call__(self, x, cos, sin, segment_ids, remat: Remat):
+    def __call__(self, x, cos, sin, segment_ids, remat: Remat, kv: KV | None = None, name: str = "",
+                 layers: list[nnx.State] | None = None):
+        """(x, aux); with the decode cache `kv`, (x, aux, kv) with stack `name`'s entries written.
+
+        `layers` (decode): the stack's parameters as one state per layer, run unrolled, each
+        layer's cache its own buffer. On CPU a scanned decode step copies every layer's weights
+        out of the stack before using them (2.3x the time of separate arrays at decode shapes;
+        static slices of the stack are slower still), and decode reads every weight once."""
         graphdef, state = nnx.split(self.layers)
-        return scan_blocks(graphdef, state, x, cos, sin, segment_ids, remat)
+        if kv is None:
+            return scan_blocks(graphdef, state, x, cos, sin, segment_ids, remat)
+        if layers is None:
+            return scan_blocks_kv(graphdef, state, x, cos, sin, segment_ids, kv, name)
+        auxes = []
+        for i, layer_state in enumerate(layers):
+            x, aux, lkv = nnx.merge(graphdef, layer_state)(x, cos, sin, segment_ids, kv.layer(name, i))
+            kv = kv.with_stack(name, lkv.stack)
+            auxes.append(aux)
+        return x, jax.tree.map(lambda *a: jnp.stack(a), *auxes), kv
 
 
 class MTPModule(nnx.Module):
@@ -119,11 +159,11 @@ class MTPModule(nnx.Module):
         self.final_norm = RMSNorm(D, cfg.rms_norm_eps, dtype)
         self.dtype = dtype
 
-    def __call__(self, h_prev, emb_next, cos, sin, segment_ids):
+    def __call__(self, h_prev, emb_next, cos, sin, segment_ids, kv: LayerKV | None = None):
         x = jnp.concatenate([self.enorm(emb_next), self.hnorm(h_prev)], axis=-1)
         x = dense(x, cast(self.eh_proj_2DD, self.dtype))                     # BTE,ED->BTD
-        y, aux = self.block(constrain(x, "batch", "seq", "act_embed"), cos, sin, segment_ids)
-        return self.final_norm(y), aux
+        out = self.block(constrain(x, "batch", "seq", "act_embed"), cos, sin, segment_ids, kv)
+        return (self.final_norm(out[0]), *out[1:])
 
 
 class Transformer(nnx.Module):
@@ -190,10 +230,19 @@ class Transformer(nnx.Module):
         return Output(logits, jnp.stack(mtp_logits), aux)
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array | None = None,
-                 segment_ids: jax.Array | None = None, *, mtp: bool = False) -> Output:
+                 segment_ids: jax.Array | None = None, *, mtp: bool = False, kv: KV | None = None,
+                 at: jax.Array | None = None, layers: dict[str, list[nnx.State]] | None = None) -> Output:
         """input_ids, positions, segment_ids: [B, T] int32. Positions default to 0..T-1 and
         segment ids to 1 (one document per row); tokens attend only within their segment.
-        `mtp=True` also runs the MTP modules and returns their logits."""
+        `mtp=True` also runs the MTP modules and returns their logits.
+
+        With `kv` (r1jax/model/kv.py), the tokens extend the decode cache: prefill
+        (`kv.absorbed=False`) or decode; the output carries the cache and the final-norm hidden
+        state at every position. `at` [B, T'] picks the positions logits are computed at (a
+        prompt's last token), as the LM head over every position would dominate prefill.
+        `layers` gives stacks unrolled, one state per layer (`Stack.__call__`)."""
+        if kv is not None:
+            return self._extend(input_ids, positions, segment_ids, kv, at, layers or {})
         x, positions, segment_ids = self.prologue(input_ids, positions, segment_ids)
         aux: dict[str, jax.Array] = {}
         if self.moe_layers is not None:
@@ -201,3 +250,37 @@ class Transformer(nnx.Module):
             x, aux = self.moe_layers(x, cos, sin, segment_ids, self.remat)
         out = self.epilogue(x, input_ids, positions, segment_ids, mtp=mtp)
         return Output(out.logits, out.mtp_logits, {**aux, **out.aux})
+
+    def _extend(self, input_ids, positions, segment_ids, kv: KV, at, layers) -> Output:
+        B, T = input_ids.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        if segment_ids is None:
+            segment_ids = jnp.ones((B, T), jnp.int32)
+        kv = dataclasses.replace(kv, positions=positions)
+        cos, sin = rope.cos_sin(self.cfg, positions, self.dtype)
+        x = self.embed(input_ids)
+        aux: dict[str, jax.Array] = {}
+        for name, stack in (("dense", self.dense_layers), ("moe", self.moe_layers)):
+            if stack is not None:
+                x, a, kv = stack(x, cos, sin, segment_ids, Remat.none, kv, name, layers.get(name))
+                aux = aux or a
+        h = self.final_norm(x)
+        h_at = h if at is None else jnp.take_along_axis(h, at[:, :, None], axis=1)
+        return Output(self.head(h_at), None, aux, h, dataclasses.replace(kv, positions=None))
+
+    def draft(self, h_BTD: jax.Array, next_ids: jax.Array, index: jax.Array, kv: KV,
+              at: jax.Array | None = None) -> Output:
+        """The first MTP module as a drafter (DeepSeek-V3 report, 5.4.3): at cache index t it
+        combines the main model's final hidden state h_t with the embedding of token t+1 and
+        predicts token t+2. As in training, its block sees the rope position of token t+1;
+        `index` [B, T] are the cache entries it writes (its own stack, "mtp")."""
+        positions = index + 1
+        cos, sin = rope.cos_sin(self.cfg, positions, self.dtype)
+        kv = dataclasses.replace(kv, positions=index)
+        segment_ids = jnp.ones(index.shape, jnp.int32)
+        layer = 0 if isinstance(kv.stacks["mtp"].latent, tuple) else jnp.int32(0)
+        h, aux, lkv = self.mtp[0](h_BTD, self.embed(next_ids), cos, sin, segment_ids, kv.layer("mtp", layer))
+        if at is not None:
+            h = jnp.take_along_axis(h, at[:, :, None], axis=1)
+        return Output(self.head(h), None, aux, h, dataclasses.replace(kv.with_stack("mtp", lkv.stack), positions=None))

@@ -1,0 +1,1 @@
+"""Inference: the MLA latent cache, sampling and batched generation (see generator.py)."""

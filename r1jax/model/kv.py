@@ -1,0 +1,90 @@
+"""The decode cache as the model sees it: per layer stack, the normed latent and the roped key.
+
+MLA's cache is what DeepSeek's absorbed inference keeps (inference/model.py, attn_impl="absorb"):
+per token and layer the latent c = kv_norm(wkv_a x) [C] after its norm and the shared rope key
+rope(wk_rope x) [R] after RoPE; nothing per head. r1jax/infer/cache.py allocates the arrays
+(slots, maximum length, dtype, shardings); the model only writes and reads them here.
+
+`KV` travels through `Transformer.__call__` with the tokens it extends the cache by:
+- `absorbed=False` (prefill): the new tokens attend to each other with the training path's
+  attention (expanded keys and values, dense or flash); their latents and rope keys are written
+  at `positions` of cache rows `slots`. The rows start at position 0.
+- `absorbed=True` (decode, and speculative verification): the new tokens' entries are written
+  first, then every query attends to the cache of its row with key index <= its position, with
+  W_UK folded into the query and W_UV applied after attention, so the cache is never expanded.
+  Row b of the batch is cache row b.
+Entries past a row's position are never read, so right-padding a prompt and rejected draft
+tokens leave nothing behind that matters.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StackKV:
+    """One layer stack's cache: latent [L, slots, S, C] and k_rope [L, slots, S, R], or (for
+    unrolled layers, `Stack(..., layers=...)`) tuples of L arrays [slots, S, C] / [slots, S, R]:
+    each layer's cache its own buffer, so reading it is no copy."""
+    latent: jax.Array | tuple[jax.Array, ...]
+    k_rope: jax.Array | tuple[jax.Array, ...]
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(layers, slots, positions)."""
+        if isinstance(self.latent, tuple):
+            return (len(self.latent), *self.latent[0].shape[:2])
+        return self.latent.shape[:3]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KV:
+    """The whole cache: `stacks` keyed "dense", "moe" and "mtp" (the model's layer stacks and its
+    MTP modules, each [L, ...]); `slots` [B] the cache rows the batch's rows write (prefill only;
+    None: row b is slot b). `positions` [B, T] are the new tokens' (the model fills them in from
+    its own `positions` argument)."""
+    stacks: dict[str, StackKV]
+    slots: jax.Array | None = None
+    positions: jax.Array | None = None
+    absorbed: bool = dataclasses.field(default=False, metadata=dict(static=True))
+
+
+    def layer(self, name: str, layer: jax.Array) -> "LayerKV":
+        return LayerKV(self.stacks[name], layer, self.positions, self.slots, self.absorbed)
+
+    def with_stack(self, name: str, stack: StackKV) -> "KV":
+        return dataclasses.replace(self, stacks={**self.stacks, name: stack})
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LayerKV:
+    """What one MLA sees: its stack's arrays, its layer index in them and the new tokens' positions."""
+    stack: StackKV
+    layer: jax.Array | int                      # an int when the stack is unrolled
+    positions: jax.Array                        # [B, T] int32
+    slots: jax.Array | None = None
+    absorbed: bool = dataclasses.field(default=False, metadata=dict(static=True))
+
+    def write(self, c_BTC: jax.Array, kr_BTR: jax.Array) -> "LayerKV":
+        """The new entries at [layer, row, position] (positions past the cache are dropped)."""
+        B = c_BTC.shape[0]
+        rows = (jnp.arange(B, dtype=jnp.int32) if self.slots is None else self.slots)[:, None]
+        s = self.stack
+
+        def put(buf, new):
+            if isinstance(buf, tuple):                       # unrolled: layer is a Python int
+                one = buf[self.layer].at[rows, self.positions].set(new.astype(buf[0].dtype), mode="drop")
+                return buf[:self.layer] + (one,) + buf[self.layer + 1:]
+            return buf.at[self.layer, rows, self.positions].set(new.astype(buf.dtype), mode="drop")
+
+        return dataclasses.replace(self, stack=StackKV(put(s.latent, c_BTC), put(s.k_rope, kr_BTR)))
+
+    def read(self) -> tuple[jax.Array, jax.Array]:
+        """This layer's latent [B, S, C] and rope key [B, S, R]."""
+        return self.stack.latent[self.layer], self.stack.k_rope[self.layer]

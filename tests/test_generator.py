@@ -1,0 +1,166 @@
+"""The generator's behaviour on tiny.yaml: batching never changes a row's output, finished rows
+stop, steady-state generation does not recompile, speculative decoding gives the same tokens,
+log-probs are the model's, stop strings cut on whole characters and streaming equals the final
+text, and sharded meshes give the one-device tokens."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from r1jax import config as configlib
+from r1jax import weights
+from r1jax.config import DType, InferConfig
+from r1jax.data import tokenizer as toklib
+from r1jax.infer.generator import Generator, Request
+from r1jax.parallel import mesh as meshlib
+
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# one cache length for every test, so the tests share compiled steps
+FP32 = InferConfig(cache_dtype=DType.fp32, batch_size=4, decode_chunk=4, max_len=64)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    m = configlib.load(ROOT / "configs" / "tiny.yaml", ["mesh.data=1"]).model
+    model = weights.create(m, seed=3)
+    return m, model, nnx.state(model)
+
+
+@pytest.fixture(scope="module")
+def gen(tiny):
+    m, _, state = tiny
+    return Generator(m, state, FP32, eos_id=None)
+
+
+def _prompts(m, lengths, seed=0):
+    r = np.random.default_rng(seed)
+    return [tuple(int(t) for t in r.integers(3, m.vocab_size, n)) for n in lengths]
+
+
+def _compiles():
+    seen = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda ev, d, **kw: seen.append(ev) if ev == "/jax/core/compile/backend_compile_duration" else None)
+    return seen
+
+
+def test_a_row_never_depends_on_its_batch_and_finished_rows_stop(tiny, gen):
+    m, model, _ = tiny
+    prompts = _prompts(m, (5, 16, 2, 11))
+    reqs = [Request(prompts[0], max_new_tokens=9), Request(prompts[1], max_new_tokens=3),
+            Request(prompts[2], max_new_tokens=9, temperature=0.9, top_p=0.95, seed=11),
+            Request(prompts[3], max_new_tokens=6, temperature=1.2, top_k=20, seed=5)]
+    together = gen.generate(reqs)
+    alone = [gen.generate([r])[0] for r in reqs]
+    assert [c.completion_ids for c in together] == [c.completion_ids for c in alone]
+    assert [c.completion_tokens for c in together] == [9, 3, 9, 6]
+    assert all(c.finish_reason == "length" for c in together)
+    # greedy rows are the argmax of the training forward over the growing sequence (right-padded
+    # to one length: causal attention keeps the pads out of the positions that count)
+    forward = jax.jit(lambda ids: model(ids).logits[0])
+    for r, c in zip(reqs[:2], together):
+        ids = list(r.prompt_ids)
+        for _ in range(r.max_new_tokens):
+            ids.append(int(jnp.argmax(forward(jnp.asarray([ids + [0] * (32 - len(ids))], jnp.int32))[len(ids) - 1])))
+        assert ids[len(r.prompt_ids):] == c.completion_ids
+    # a stop token ends its row only; the row's text so far is kept with the stop token
+    stop_at = together[0].completion_ids[4]
+    first = together[0].completion_ids.index(stop_at)
+    out = gen.generate([dataclasses.replace(reqs[0], stop_token_ids=(stop_at,)), reqs[1]])
+    assert out[0].completion_ids == together[0].completion_ids[:first + 1] and out[0].finish_reason == "stop"
+    assert out[1].completion_ids == together[1].completion_ids
+
+
+def test_steady_state_generation_does_not_recompile(tiny, gen):
+    m, _, _ = tiny
+    for lengths in ((9, 4, 12), (2, 3)):                                    # warm the row buckets 4 and 2
+        gen.generate([Request(p, max_new_tokens=8) for p in _prompts(m, lengths)])
+    seen = _compiles()
+    for seed, lengths in enumerate([(3, 10, 7), (16, 1), (5, 6, 7, 8)]):
+        reqs = [Request(p, max_new_tokens=4 + i, temperature=0.5 * i, top_k=i, seed=seed)
+                for i, p in enumerate(_prompts(m, lengths, seed))]
+        gen.generate(reqs)
+    assert seen == [], f"{len(seen)} compiles in steady state"
+
+
+def test_speculative_decoding_gives_the_same_tokens(tiny, gen):
+    m, _, _ = tiny
+    reqs = [Request(p, max_new_tokens=10) for p in _prompts(m, (6, 13, 3))]
+    reqs.append(Request(_prompts(m, (8,), 1)[0], max_new_tokens=10, temperature=1.0, top_p=0.9, seed=4))
+    plain = gen.generate(reqs)
+    before = dict(gen.stats)
+    spec = gen.generate(reqs, speculative=True)
+    assert [c.completion_ids for c in spec] == [c.completion_ids for c in plain]
+    assert gen.stats["drafted"] > before["drafted"]
+
+
+def test_a_right_draft_is_accepted_and_yields_two_tokens(tiny):
+    """Zero final norms make the main model's and the drafter's logits all equal, so both always
+    pick token 0: every draft is right, and each verify pass emits two tokens."""
+    m, _, state = tiny
+    flat = dict(nnx.to_flat_state(state))
+    for path in [p for p in flat if p[-2:] == ("final_norm", "weight")]:
+        flat[path] = flat[path].replace(jnp.zeros_like(flat[path].get_value()))
+    gen = Generator(m, nnx.from_flat_state(list(flat.items())), FP32, eos_id=None)
+    c = gen.generate([Request(_prompts(m, (5,))[0], max_new_tokens=13)], speculative=True)[0]
+    assert c.completion_ids == [0] * 13
+    assert gen.stats["accepted"] == gen.stats["drafted"] == 6      # 1 from prefill + 6 x 2
+
+
+def test_logprobs_are_the_models(tiny, gen):
+    m, model, _ = tiny
+    p = _prompts(m, (7,))[0]
+    c = gen.generate([Request(p, max_new_tokens=5, temperature=1.0, seed=2, logprobs=3)])[0]
+    ids = list(p) + c.completion_ids
+    lp = np.asarray(jax.nn.log_softmax(jax.jit(lambda x: model(x).logits[0])(jnp.asarray([ids], jnp.int32)), -1))
+    for j, t in enumerate(c.completion_ids):
+        row = lp[len(p) - 1 + j]
+        assert abs(c.logprobs[j] - row[t]) < 1e-4
+        assert list(c.top_logprobs[j]) == list(np.argsort(-row)[:3])
+
+
+@pytest.fixture(scope="module")
+def unicode_tok():
+    texts = ["héllo wörld ünïcode ça va", "日本語のテキストと中文字符", "emoji 🙂🚀🎉 and ✓ marks", "plain ascii words"] * 50
+    return toklib.train(texts, 512)
+
+
+def test_stop_strings_and_streaming_keep_whole_characters(tiny, unicode_tok):
+    m, _, state = tiny
+    gen = Generator(m, state, FP32, eos_id=None, tokenizer=unicode_tok)
+    prompt = tuple(unicode_tok.encode("日本語 🙂 héllo").ids)
+    free = gen.generate([Request(prompt, max_new_tokens=24, temperature=1.0, seed=1)])[0]
+    assert free.completion == unicode_tok.decode(free.completion_ids, skip_special_tokens=True)
+    text = free.completion
+    assert len(text) > 6
+    stop = text[3:5]
+    streamed = []
+    out = gen.generate([Request(prompt, max_new_tokens=24, temperature=1.0, seed=1, stop=(stop,))],
+                       on_text=lambda i, d: streamed.append(d))[0]
+    assert out.completion == text[:text.find(stop)] and out.finish_reason == "stop"
+    assert "".join(streamed) == out.completion and all(streamed)
+    assert "\ufffd" not in out.completion or "\ufffd" in text[:text.find(stop)]
+    # streaming without stop strings equals the final text too
+    streamed = []
+    again = gen.generate([Request(prompt, max_new_tokens=24, temperature=1.0, seed=1)],
+                         on_text=lambda i, d: streamed.append(d))[0]
+    assert "".join(streamed) == again.completion == text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("axes", [dict(data=2, tensor=4), dict(expert=4, data=2)])
+def test_sharded_meshes_give_the_one_device_tokens(tiny, gen, axes):
+    m, _, state = tiny
+    reqs = [Request(p, max_new_tokens=8) for p in _prompts(m, (5, 9, 3))]
+    want = [c.completion_ids for c in gen.generate(reqs)]
+    mesh = meshlib.make_mesh(configlib.MeshConfig(**{"data": 1, **axes}))
+    sharded = Generator(m, weights.onto(state, mesh), FP32, mesh=mesh, eos_id=None)
+    assert sharded.batch_shards == (2 if "tensor" in axes else 8)
+    assert [c.completion_ids for c in sharded.generate(reqs)] == want
