@@ -213,6 +213,9 @@ def run(args, cfg, threads: int, cpus: list[int]) -> dict:
             row["speedup"] = row["r1jax"][ours_key]["decode_tok_s"] / row["torch"][base_key]["decode_tok_s"]
             row["tokens_equal"] = float(np.mean(np.asarray(row["r1jax"][ours_key]["tokens"]) ==
                                                 np.asarray(row["torch"][base_key]["tokens"])))
+        for side in ("r1jax", "torch"):             # compared above; too bulky for the JSON
+            for v in row[side].values():
+                v.pop("tokens", None)
         rows.append(row)
     work_ctx.cleanup()
     m = cfg.model
