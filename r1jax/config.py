@@ -44,6 +44,8 @@ class MoEDispatch(str, enum.Enum):
     ragged = "ragged"      # sort + jax.lax.ragged_dot (grouped GEMM where the backend has one)
     capacity = "capacity"  # fixed per-expert capacity; drops overflow, reports how many
     loop = "loop"          # every expert on every token, masked (reference; E x FLOPs)
+    gather = "gather"      # each pair's expert weights gathered: decode-sized batches
+    dense = "dense"        # every expert on every token in one batched product (E/k x FLOPs, no copies)
 
 
 class AttentionImpl(str, enum.Enum):
@@ -548,7 +550,7 @@ def validate_infer(i: InferConfig) -> None:
         _need(getattr(i, name) > 0, f"infer.{name}={getattr(i, name)}: must be a positive integer")
     _need(i.max_len >= 0, f"infer.max_len={i.max_len}: must be >= 0 (0: sized from the requests)")
     _need(i.moe_decode is not MoEDispatch.capacity,
-          "infer.moe_decode=capacity: drops tokens; decoding must be exact (auto, dropless, ragged or loop)")
+          "infer.moe_decode=capacity: drops tokens; decoding must be exact (auto, gather, dense, dropless, ragged or loop)")
 
 
 def validate(cfg: Config) -> None:

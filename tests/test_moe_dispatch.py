@@ -42,7 +42,7 @@ def _routed(kind, **kw):
 
 @pytest.mark.parametrize("kind,kw", [("dropless", dict(tile=8)), ("dropless", dict(tile=1)),
                                      ("dropless", dict(tile=256)), ("ragged", {}),
-                                     ("capacity", dict(capacity_factor=E / K))])
+                                     ("capacity", dict(capacity_factor=E / K)), ("gather", {}), ("dense", {})])
 def test_dispatch_equals_per_expert_loop(kind, kw):
     y_ref, _, g_ref = _routed("loop")
     y, dropped, g = _routed(kind, **kw)
@@ -51,6 +51,20 @@ def test_dispatch_equals_per_expert_loop(kind, kw):
     print(f"\n{kind} {kw}: max|dy|={dy:.1e} max|dgrad|={dg:.1e}")
     assert int(dropped) == 0
     assert dy < 1e-5 and dg < 1e-5
+
+
+@pytest.mark.parametrize("kind", ["dropless", "gather", "dense"])
+def test_expert_ids_past_the_local_experts_contribute_nothing(kind):
+    """Expert parallelism hands a shard every pair, ids >= its expert count marking pairs owned
+    elsewhere: those add zero, the rest equal the loop over the local experts alone."""
+    x, router, bias, (gate, up, down) = _inputs()
+    wts, idx, _ = route(x, router, bias, CFG)
+    half = E // 2
+    local = jnp.where(idx < half, idx, half + idx)        # the shard holds experts 0..half-1
+    y, _ = dispatch.ROUTED[kind](x, wts, local, gate[:half], up[:half], down[:half], tile=8)
+    y_ref, _ = dispatch.routed_loop(x, jnp.where(idx < half, wts, 0.0), jnp.minimum(idx, half - 1),
+                                    gate[:half], up[:half], down[:half])
+    assert float(jnp.abs(y - y_ref).max()) < 1e-5
 
 
 def test_capacity_drops_the_overflow_and_counts_it():
@@ -82,7 +96,8 @@ def test_full_model_logits_agree_across_dispatches():
                        num_nextn_predict_layers=1)
     ids = jnp.asarray(np.random.default_rng(0).integers(0, 128, (2, 16)), jnp.int32)
     outs = {}
-    for kind in (MoEDispatch.loop, MoEDispatch.dropless, MoEDispatch.capacity, MoEDispatch.ragged):
+    for kind in (MoEDispatch.loop, MoEDispatch.dropless, MoEDispatch.capacity, MoEDispatch.ragged,
+                 MoEDispatch.gather, MoEDispatch.dense):
         model = weights.create(base, KernelConfig(moe_dispatch=kind, capacity_factor=4.0))
         outs[kind] = jax.jit(lambda m: m(ids, mtp=True))(model)
     ref = outs[MoEDispatch.loop]

@@ -43,6 +43,10 @@ from r1jax.parallel import mesh as meshlib
 
 MAX_STOP_IDS = 8          # stop token ids per request (EOS included), padded with -1
 MAX_TOP_LOGPROBS = 20     # OpenAI's limit
+# XLA:CPU compiles dots into YNNPACK fusions by default; at decode's few-row matmuls its Eigen
+# dots are faster (moe_small decode: batch 8 22.2 -> 17.0 ms a step, batch 32 38.1 -> 32.8;
+# bench/RESULTS.md). Set per executable, for the decode and prefill steps only.
+CPU_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,12 +96,17 @@ def bucket(n: int, lo: int = 1) -> int:
     return max(lo, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
 
 
-def decode_kernels(kernels: KernelConfig, infer: InferConfig, rows: int) -> KernelConfig:
-    """How decode computes the routed experts: `auto` is the dropless tiles (only the selected
-    experts' tiles run) with `infer.decode_tile` rows. Experts held as separate buffers, each
-    tile's picked by lax.switch (no copy out of the stack), measured no faster on moe_small
-    (bench/RESULTS.md) and were dropped."""
-    kind = MoEDispatch.dropless if infer.moe_decode is MoEDispatch.auto else infer.moe_decode
+def decode_kernels(kernels: KernelConfig, infer: InferConfig, m: ModelConfig, tokens: int) -> KernelConfig:
+    """How a decode step of `tokens` tokens (per batch shard) computes the routed experts.
+    `auto`: `gather` (each pair's expert weights copied out, then used once) while the pairs
+    number at most half the experts, else `dense` (every expert on every token, the weights read
+    in place). Measured on moe_small (E=8, k=2; bench/RESULTS.md), ms per step at batch 1/2/8/32:
+    gather 3.8/9.8/22.7/68.5, dense 6.3/15.5/14.4/31.5, the dropless tile scan 6.1/11.5/16.6/28.9
+    (it pays a loop step per tile and copies each live tile's expert)."""
+    kind = infer.moe_decode
+    if kind is MoEDispatch.auto:
+        gather = tokens * m.num_experts_per_tok <= m.n_routed_experts // 2
+        kind = MoEDispatch.gather if gather else MoEDispatch.dense
     return dataclasses.replace(kernels, moe_dispatch=kind, moe_tile_size=infer.decode_tile)
 
 
@@ -131,7 +140,9 @@ class Generator:
 
     def _jit(self, key, build, donate):
         if key not in self._steps:
-            self._steps[key] = meshlib.MeshedJit(jax.jit(build(), donate_argnums=donate), self.mesh)
+            cpu = self.mesh.devices.flat[0].platform == "cpu"
+            fn = jax.jit(build(), donate_argnums=donate, compiler_options=CPU_OPTIONS if cpu else None)
+            self._steps[key] = meshlib.MeshedJit(fn, self.mesh)
         return self._steps[key]
 
     def _prefill_step(self, speculative: bool, top: int | None):
@@ -176,8 +187,8 @@ class Generator:
         return prefill
 
     def _decode_fn(self, rows_bucket: int, steps: int, speculative: bool, top: int | None):
-        kernels = decode_kernels(self.kernels, self.infer, rows_bucket)
         per_iter = 2 if speculative else 1
+        kernels = decode_kernels(self.kernels, self.infer, self.m, rows_bucket * per_iter // self.batch_shards)
 
         def decode(params, rows: Rows, kv: KV):
             model, layers = self._model(kernels, params)

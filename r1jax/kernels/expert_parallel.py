@@ -8,9 +8,9 @@ Two exchanges, chosen by `kernels.moe_dispatch`:
   `all_to_all` brings the results back; overflow pairs are dropped and counted. Static shapes
   and the least traffic; `lax.ragged_all_to_all` (exact and variable-size) is unimplemented on
   XLA:CPU, so this fixed-capacity form is the one tests can run.
-- every other dispatch (dropless): each shard all-gathers the tokens of its expert group, runs
-  its local experts on the pairs routed to them with the dropless tile kernel, and a
-  reduce-scatter returns each token's sum. Exact; moves ep x the MoE input instead of k/E of it.
+- every other dispatch: each shard all-gathers the tokens of its expert group, runs its local
+  experts on the pairs routed to them (with `gather` or `dense` when asked, as decode does; else
+  the dropless tile kernel), and a reduce-scatter returns each token's sum. Exact; moves ep x the MoE input instead of k/E of it.
 
 Expert-weight gradients stay sharded over the expert axis; shard_map's autodiff sums the
 replicated router/shared gradients over the batch axes.
@@ -51,7 +51,7 @@ def routed(kind: str, x_TD, w, idx, gate, up, down, *, tile: int, capacity_facto
         if kind == "capacity":
             y, dropped = _all_to_all(x, w, idx, gate, up, down, axis, ep, E, capacity_factor)
         else:
-            y, dropped = _gather_scatter(x, w, idx, gate, up, down, axis, ep, tile)
+            y, dropped = _gather_scatter(kind, x, w, idx, gate, up, down, axis, ep, tile)
         return y, lax.psum(dropped, token_axes)
 
     tok, exp = P(token_axes), P(axis)
@@ -59,13 +59,14 @@ def routed(kind: str, x_TD, w, idx, gate, up, down, *, tile: int, capacity_facto
                          axis_names=set(token_axes))(x_TD, w, idx, gate, up, down)
 
 
-def _gather_scatter(x, w, idx, gate, up, down, axis, ep, tile):
+def _gather_scatter(kind, x, w, idx, gate, up, down, axis, ep, tile):
     El = gate.shape[0]
     lo = lax.axis_index(axis) * El
     xs = lax.all_gather(x, axis, tiled=True)                     # [ep*Tl, D]: the expert group's tokens
     ws, ids = lax.all_gather(w, axis, tiled=True), lax.all_gather(idx, axis, tiled=True)
     local = jnp.where((ids >= lo) & (ids < lo + El), ids - lo, El)   # El: routed to another shard
-    y, _ = dispatch.routed_dropless(xs, ws, local, gate, up, down, tile=tile)
+    local_kernel = dispatch.ROUTED[kind if kind in ("gather", "dense") else "dropless"]
+    y, _ = local_kernel(xs, ws, local, gate, up, down, tile=tile)
     return lax.psum_scatter(y, axis, scatter_dimension=0, tiled=True), jnp.int32(0)
 
 
