@@ -98,15 +98,17 @@ def bucket(n: int, lo: int = 1) -> int:
 
 def decode_kernels(kernels: KernelConfig, infer: InferConfig, m: ModelConfig, tokens: int) -> KernelConfig:
     """How a decode step of `tokens` tokens (per batch shard) computes the routed experts.
-    `auto`: `gather` (each pair's expert weights copied out, then used once) while the pairs
-    number at most half the experts, else `dense` (every expert on every token, the weights read
-    in place). Measured on moe_small (E=8, k=2; bench/RESULTS.md), ms per step at batch 1/2/8/32:
-    gather 3.8/9.8/22.7/68.5, dense 6.3/15.5/14.4/31.5, the dropless tile scan 6.1/11.5/16.6/28.9
-    (it pays a loop step per tile and copies each live tile's expert)."""
+    `auto`, by the step's (token, expert) pairs P against the expert count E: `gather` (each
+    pair's expert weights copied out, used once) while P <= E/2; `dense` (every expert on every
+    token, the weights read in place) while P <= 2E; above, the dropless tile scan (a loop step
+    and an expert copy per live tile, but no E/k x FLOPs). Measured on moe_small (E=8, k=2),
+    ms per step at batch 1/2/8/32: gather 3.8/9.8/22.7/68.5, dense 6.3/15.5/14.4/31.5, dropless
+    6.1/11.5/16.6/28.9 (bench/RESULTS.md has the side-by-side run)."""
     kind = infer.moe_decode
     if kind is MoEDispatch.auto:
-        gather = tokens * m.num_experts_per_tok <= m.n_routed_experts // 2
-        kind = MoEDispatch.gather if gather else MoEDispatch.dense
+        pairs, E = tokens * m.num_experts_per_tok, m.n_routed_experts
+        kind = (MoEDispatch.gather if 2 * pairs <= E else
+                MoEDispatch.dense if pairs <= 2 * E else MoEDispatch.dropless)
     return dataclasses.replace(kernels, moe_dispatch=kind, moe_tile_size=infer.decode_tile)
 
 
