@@ -25,7 +25,7 @@ demo: $(VENV)/.installed
 
 # The whole-run files compare r1jax with r1jax (meshes, resumes, processes, schedules, memory)
 # and are almost all XLA:CPU compiles: they run with the LLVM backend at -O0, which halves the
-# compiles (the circular-pipeline train step: 45 s -> 30 s, data 8: 31 s -> 14 s) and gives the
+# compiles (tiny.yaml's first train step, circular pipeline: 45 s -> 30 s, data 8: 31 s -> 14 s) and gives the
 # same losses. Files that compare against transformers, torch or a bound set from a measurement
 # run at XLA's default, as users run: -O0 rounds differently (one decode parity config: 5.1e-6
 # -> 1.05e-5 against the issue's 1e-5).

@@ -44,8 +44,8 @@ from r1jax.parallel import mesh as meshlib
 MAX_STOP_IDS = 8          # stop token ids per request (EOS included), padded with -1
 MAX_TOP_LOGPROBS = 20     # OpenAI's limit
 # XLA:CPU compiles dots into YNNPACK fusions by default; at decode's few-row matmuls its Eigen
-# dots are faster (moe_small decode: batch 8 22.2 -> 17.0 ms a step, batch 32 38.1 -> 32.8;
-# bench/RESULTS.md). Set per executable, for the decode and prefill steps only.
+# dots are faster (moe_small decode through this Generator, quiet 2-core EPYC: batch 8 22.2 ->
+# 17.0 ms a step, batch 32 38.1 -> 32.8). Set per executable, for the decode and prefill steps only.
 CPU_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
 
 

@@ -16,7 +16,7 @@ weights gate/up [E,D,F], down [E,F,D]; all return (y [T,D], dropped pairs int32 
   (and copied once). For decode-sized T on CPU, where a tile scan's per-tile overhead dominates.
 - `dense`: every expert on every token as batched matmuls over the stacked weights in place
   (x broadcast to [E,T,D]), the combine weights applied before one down-projection GEMM over
-  (E, F). E/k x the FLOPs but no weight copy and no per-expert loop: decode batches >= 8 on CPU.
+  (E, F). E/k x the FLOPs but no weight copy and no per-expert loop: mid-sized decode batches on CPU.
 """
 from __future__ import annotations
 
@@ -217,8 +217,8 @@ def routed_dense(x, w, idx, gate, up, down, **_):
     return jnp.einsum("ETF,EFD->TD", h * comb[:, :, None], down), jnp.int32(0)
 
 
-ROUTED = {"loop": routed_loop, "gather": routed_gather, "dense": routed_dense, "dropless": routed_dropless, "ragged": routed_ragged,
-          "capacity": routed_capacity}
+ROUTED = {"loop": routed_loop, "gather": routed_gather, "dense": routed_dense, "dropless": routed_dropless,
+          "ragged": routed_ragged, "capacity": routed_capacity}
 
 
 def resolve(name: str) -> str:

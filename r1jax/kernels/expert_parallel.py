@@ -10,7 +10,8 @@ Two exchanges, chosen by `kernels.moe_dispatch`:
   XLA:CPU, so this fixed-capacity form is the one tests can run.
 - every other dispatch: each shard all-gathers the tokens of its expert group, runs its local
   experts on the pairs routed to them (with `gather` or `dense` when asked, as decode does; else
-  the dropless tile kernel), and a reduce-scatter returns each token's sum. Exact; moves ep x the MoE input instead of k/E of it.
+  the dropless tile kernel), and a reduce-scatter returns each token's sum. Exact; moves ep x
+  the MoE input instead of k/E of it.
 
 Expert-weight gradients stay sharded over the expert axis; shard_map's autodiff sums the
 replicated router/shared gradients over the batch axes.
