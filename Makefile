@@ -23,20 +23,16 @@ demo: $(VENV)/.installed
 	$(BIN)/python -m r1jax.generate --model runs/demo --prompt "def read_config(path):" \
 		--max-new-tokens 64 --temperature 0.7 --top-p 0.95 --seed 0 --speculative
 
-# The whole-run files compare r1jax with r1jax (meshes, resumes, processes, schedules, memory)
-# and are almost all XLA:CPU compiles: they run with the LLVM backend at -O0, which halves the
-# compiles (tiny.yaml's first train step, circular pipeline: 45 s -> 30 s, data 8: 31 s -> 14 s) and gives the
-# same losses. Files that compare against transformers, torch or a bound set from a measurement
-# run at XLA's default, as users run: -O0 rounds differently (one decode parity config: 5.1e-6
-# -> 1.05e-5 against the issue's 1e-5).
-WHOLE_RUNS := tests/test_mesh.py tests/test_step.py tests/test_train.py tests/test_multiprocess.py \
-	tests/test_slurm.py tests/test_attention.py tests/test_plan.py tests/test_bench_memory.py \
-	tests/test_bench_tables.py
-O0 := --xla_backend_optimization_level=0
+# One pytest run over two workers, each taking whole files. Files start longest first (measured
+# durations; a file not listed starts after them), so that no worker is left running a long
+# file alone at the end. tests/conftest.py sets which files compile with XLA's backend at -O0.
+LONGEST_FIRST := tests/test_mesh.py tests/test_multiprocess.py tests/test_train.py tests/test_step.py \
+	tests/test_bench.py tests/test_attention.py tests/test_slurm.py tests/test_checkpoint.py \
+	tests/test_generate.py tests/test_generator.py tests/test_plan.py tests/test_parity.py
+TEST_FILES := $(LONGEST_FIRST) $(filter-out $(LONGEST_FIRST),$(sort $(wildcard tests/test_*.py)))
 
 test: $(VENV)/.installed-test
-	XLA_FLAGS="$(XLA_FLAGS) $(O0)" $(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15 $(WHOLE_RUNS)
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15 $(addprefix --ignore=,$(WHOLE_RUNS))
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=20 $(TEST_FILES)
 
 check: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not slow" --durations=10

@@ -31,11 +31,12 @@ def tiny_batches(cfg, steps: int, seed: int = 0) -> list[dict]:
     return out
 
 
-def train_tiny(overrides: list[str], devices: list, steps: int):
+def train_tiny(overrides: list[str], devices: list, steps: int, model=None):
     """`steps` train steps of tiny.yaml + `overrides` on `devices`, each on fresh random tokens
-    (seed 0) in rows of two packed documents. Returns (cfg, mesh, state, shardings, losses)."""
+    (seed 0) in rows of two packed documents, from `model`'s weights (default: the run's own
+    init, born in its shards). Returns (cfg, mesh, state, shardings, losses)."""
     cfg = configlib.load(TINY, overrides)
-    setup = build(cfg, meshlib.make_mesh(cfg.mesh, devices))
+    setup = build(cfg, meshlib.make_mesh(cfg.mesh, devices), model=model)
     state, losses = setup.state, []
     for batch in tiny_batches(cfg, steps):
         state, m = setup.step(state, batch)

@@ -67,12 +67,12 @@ def test_bench_generate_against_transformers(tmp_path):
     implementation of transformers, speculative r1jax; the JSON carries the ratios the issue
     names and the tokens agree."""
     prefix = tmp_path / "gen"
-    proc = _bench("--config", "configs/tiny.yaml", "--compare", "torch", "--mode", "generate", "--batch-sizes", "1,2",
+    proc = _bench("--config", "configs/tiny.yaml", "--compare", "torch", "--mode", "generate", "--batch-sizes", "1",
                   "--prompt-len", "8", "--new-tokens", "6", "--rounds", "1", "--repeats", "1", "--moe-decode", "auto",
                   "--speculative", "--out", str(prefix), "mesh.data=1")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     result = json.loads(prefix.with_suffix(".json").read_text())
-    assert set(result["decode_speedup"]) == {"1", "2"} and all(v > 0 for v in result["decode_speedup"].values())
+    assert set(result["decode_speedup"]) == {"1"} and all(v > 0 for v in result["decode_speedup"].values())
     assert 0 < result["b1_bandwidth_fraction"] and result["bandwidth_GBps"] > 0
     assert 0 <= result["speculative_b1"]["acceptance"] <= 1
     for row in result["rows"]:

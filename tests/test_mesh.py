@@ -10,6 +10,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from r1jax import config as configlib
 from r1jax import model as modellib
@@ -28,26 +29,36 @@ STEPS = 10
 COMMON = ["optim.eps=1e-6"]
 
 
-def _run(overrides: list[str], devices: list, steps: int = STEPS):
-    return train_tiny(COMMON + overrides, devices, steps)
+def _run(overrides: list[str], devices: list, steps: int = STEPS, model=None):
+    return train_tiny(COMMON + overrides, devices, steps, model)
 
 
 MASKED = ["loss.objective=masked_lm"]
 
 
-def _reference(extra):
-    _, _, state, _, losses = _run(["mesh.data=1", *extra], jax.devices()[:1])
+@pytest.fixture(scope="module")
+def init_model():
+    """tiny.yaml's initial weights as a plain model, built once: the runs without a pipeline start
+    from it placed onto their mesh (one init compile instead of one per mesh). The pipelined runs
+    draw their own init in their stage layout, and test_params_are_born_sharded compares an init
+    born in fsdp shards with it, so each way of initialising is still checked against the others."""
+    cfg = configlib.load(ROOT / "configs" / "tiny.yaml")
+    return weights.create(cfg.model, seed=cfg.train.seed)
+
+
+def _reference(extra, model):
+    _, _, state, _, losses = _run(["mesh.data=1", *extra], jax.devices()[:1], model=model)
     return losses, {p: np.asarray(v) for p, v in modellib.leaves(state["params"]).items()}
 
 
 @pytest.fixture(scope="module")
-def reference():
-    return _reference([])
+def reference(init_model):
+    return _reference([], init_model)
 
 
 @pytest.fixture(scope="module")
-def masked_reference():
-    return _reference(MASKED)
+def masked_reference(init_model):
+    return _reference(MASKED, init_model)
 
 
 # The masked objective (loss only where batch["loss_mask"]) runs on one mesh per schedule: without
@@ -77,7 +88,9 @@ MESHES = {
 @pytest.mark.parametrize("name", list(MESHES))
 def test_mesh_equals_one_device(name, request):
     ref_losses, ref_params = request.getfixturevalue("masked_reference" if name.endswith("_masked") else "reference")
-    cfg, mesh, state, shardings, losses = _run(MESHES[name], jax.devices())
+    pipelined = any(o.startswith("mesh.pipeline=") for o in MESHES[name])
+    cfg, mesh, state, shardings, losses = _run(MESHES[name], jax.devices(),
+                                               model=None if pipelined else request.getfixturevalue("init_model"))
     d_loss = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
     params = {p: np.asarray(v) for p, v in modellib.leaves(state["params"]).items()}
     layout = pipeline.mesh_layout(cfg, mesh)
@@ -96,12 +109,19 @@ def test_mesh_equals_one_device(name, request):
         assert arr.sharding.is_equivalent_to(p_sh[path], arr.ndim), path
 
 
-def test_params_are_born_sharded():
-    cfg = configlib.load(ROOT / "configs" / "tiny.yaml", ["mesh.data=1", "mesh.fsdp=8"])
+def test_params_are_born_sharded(init_model):
+    """Born in fsdp x expert shards, with the values of the unsharded init."""
+    cfg = configlib.load(ROOT / "configs" / "tiny.yaml", ["mesh.data=1", "mesh.fsdp=4", "mesh.expert=2"])
     mesh = meshlib.make_mesh(cfg.mesh)
-    emb = modellib.leaves(weights.fresh(cfg, mesh))[("embed", "embedding_WD")]
+    born = modellib.leaves(weights.fresh(cfg, mesh))
+    emb = born[("embed", "embedding_WD")]
     assert emb.sharding.spec[1] == "fsdp"          # vocab goes to tensor (size 1 here), embed to fsdp
-    assert {s.data.shape for s in emb.addressable_shards} == {(cfg.model.vocab_size, cfg.model.hidden_size // 8)}
+    assert {s.data.shape for s in emb.addressable_shards} == {(cfg.model.vocab_size, cfg.model.hidden_size // 4)}
+    plain = modellib.leaves(nnx.state(init_model))
+    assert born.keys() == plain.keys()
+    assert any("expert" in str(a.sharding.spec) for a in born.values())
+    for p, a in born.items():
+        assert np.array_equal(np.asarray(a), np.asarray(plain[p])), p
 
 
 def test_training_resumes_on_other_meshes(tmp_path):

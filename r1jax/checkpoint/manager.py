@@ -48,7 +48,10 @@ class Checkpointer:
             max_to_keep=keep, enable_async_checkpointing=True,
             save_decision_policy=ocp.checkpoint_managers.FixedIntervalPolicy(every))
         self.mngr = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS,
-                                          item_handlers={"data": grain.checkpoint.CheckpointHandler()})
+                                          item_handlers={"data": grain.checkpoint.CheckpointHandler(),
+                                                         **{k: ocp.PyTreeCheckpointHandler(
+                                                             type_handler_registry=ckpt_params.arrays_registry())
+                                                            for k in ("params", "opt_state")}})
 
     # ------------------------------------------------------------------------------- queries
     def latest_step(self) -> int | None:
@@ -86,7 +89,7 @@ class Checkpointer:
                 "loss_scale_good_steps": int(state["loss_scale"]["good_steps"]), **(meta or {})}
         model_tree = ckpt_params.nest(modellib.leaves(state["params"]) | modellib.leaves(state["rest"]))
         self.mngr.save(step, force=force, args=ocp.args.Composite(
-            params=ocp.args.StandardSave(model_tree), opt_state=ocp.args.StandardSave(state["opt"]),
+            params=ocp.args.PyTreeSave(model_tree), opt_state=ocp.args.PyTreeSave(state["opt"]),
             meta=ocp.args.JsonSave(meta), data=grain.checkpoint.CheckpointSave(data_iter)))
 
     def wait(self) -> None:

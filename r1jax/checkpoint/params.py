@@ -144,6 +144,22 @@ class _LazyHandler(ocp_types.NumpyHandler):
             self._write_sequentially(values, infos, args), name="r1jax_lazy_params")]
 
 
+# Orbax splits a replicated array's shard among its replicas so that several hosts write it, and
+# cuts each piece with an eager slice: one XLA compile per piece. Measured on tiny.yaml, 8 CPU
+# devices data-parallel: the first save took 25.8 s, 0.85 s without splitting. Below 16 MiB a
+# piece writes (~10 ms at 1-2 GB/s) faster than its slice compiles (~25 ms), so only larger
+# arrays are split.
+MIN_REPLICA_SLICE_BYTES = 16 << 20
+
+
+def arrays_registry():
+    """Orbax's default type handlers, jax.Array's with MIN_REPLICA_SLICE_BYTES."""
+    registry = ocp_registry.create_type_handler_registry(*ocp_registry._DEFAULT_TYPE_HANDLERS)
+    registry.add(jax.Array, ocp_types.ArrayHandler(min_slice_bytes_for_replica_parallel=MIN_REPLICA_SLICE_BYTES),
+                 override=True, ignore_warnings=True)
+    return registry
+
+
 def _lazy_registry():
     registry = ocp_registry.create_type_handler_registry(*ocp_registry._DEFAULT_TYPE_HANDLERS)
     registry.add(LazyLeaf, _LazyHandler(), override=True, ignore_warnings=True)
