@@ -26,9 +26,9 @@ demo: $(VENV)/.installed
 # One pytest run over two workers, each taking whole files. Files start longest first (measured
 # durations; a file not listed starts after them), so that no worker is left running a long
 # file alone at the end. tests/conftest.py sets which files compile with XLA's backend at -O0.
-LONGEST_FIRST := tests/test_mesh.py tests/test_multiprocess.py tests/test_train.py tests/test_step.py \
-	tests/test_bench.py tests/test_attention.py tests/test_slurm.py tests/test_checkpoint.py \
-	tests/test_generate.py tests/test_generator.py tests/test_plan.py tests/test_parity.py
+LONGEST_FIRST := tests/test_mesh.py tests/test_multiprocess.py tests/test_step.py tests/test_train.py \
+	tests/test_checkpoint.py tests/test_generator.py tests/test_slurm.py tests/test_attention.py \
+	tests/test_bench.py tests/test_generate.py tests/test_plan.py tests/test_parity.py
 TEST_FILES := $(LONGEST_FIRST) $(filter-out $(LONGEST_FIRST),$(sort $(wildcard tests/test_*.py)))
 
 test: $(VENV)/.installed-test

@@ -17,24 +17,46 @@ _CACHE = os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(pre
 jax.config.update("jax_compilation_cache_dir", _CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
-# The files below compare r1jax with r1jax (meshes, resumes, processes, schedules, decoding
-# paths, memory) and are almost all XLA:CPU compiles: they compile with XLA's backend at -O0
-# (jax_disable_most_optimizations, which subprocesses read from the environment). That halves
-# the compiles (tiny.yaml's first train step, circular pipeline: 45 s -> 30 s; data 8: 31 s ->
-# 14 s) and gives the same losses. Files that compare against transformers, torch or a bound set
-# from a measurement compile as users compile: -O0 rounds differently (one decode parity config
-# went 5.1e-6 -> 1.05e-5 against the 1e-5).
+# The files below compare r1jax with r1jax (meshes, resumes, processes, schedules, memory) and
+# are almost all XLA:CPU compiles. They compile with XLA's backend at -O0
+# (jax_disable_most_optimizations) and XLA:CPU's elemental emitters instead of its MLIR fusion
+# emitters (xla_cpu_use_fusion_emitters=false), in this process and in the processes they start
+# (through the environment). Measured on tiny.yaml's train step, 1 device: 20 s at XLA's default,
+# 14.8 s at -O0, 10.0 s with both; every loss to the last printed digit. Files that compare
+# against transformers, torch or a bound set from a measurement compile as users compile: -O0
+# rounds differently (one decode parity config went 5.1e-6 -> 1.05e-5 against the 1e-5).
 import pytest  # noqa: E402
+from jax._src import compiler as _compiler  # noqa: E402
 
 BACKEND_O0 = {"test_mesh.py", "test_step.py", "test_train.py", "test_multiprocess.py", "test_slurm.py",
               "test_attention.py", "test_plan.py", "test_bench_memory.py", "test_bench_tables.py"}
+ELEMENTAL = {"xla_cpu_use_fusion_emitters": False}
+_XLA_FLAGS = os.environ.get("XLA_FLAGS", "")
+_fast = {"on": False}
+_get_compile_options = _compiler.get_compile_options
+
+
+def _compile_options(*args, env_options_overrides=None, **kwargs):
+    # jax reads per-compile XLA options only from jit(compiler_options=...); this adds them to
+    # every compile while a BACKEND_O0 file runs
+    if _fast["on"]:
+        env_options_overrides = {**ELEMENTAL, **(env_options_overrides or {})}
+    return _get_compile_options(*args, env_options_overrides=env_options_overrides, **kwargs)
+
+
+_compiler.get_compile_options = _compile_options
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _backend_optimisation(request):
     o0 = os.path.basename(request.module.__file__) in BACKEND_O0
+    _fast["on"] = o0
     jax.config.update("jax_disable_most_optimizations", o0)
     if o0:
         os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
+        os.environ["XLA_FLAGS"] = " ".join([_XLA_FLAGS, *(f"--{k}={str(v).lower()}" for k, v in ELEMENTAL.items())]).strip()
     else:
         os.environ.pop("JAX_DISABLE_MOST_OPTIMIZATIONS", None)
+        os.environ["XLA_FLAGS"] = _XLA_FLAGS
+        if not _XLA_FLAGS:
+            del os.environ["XLA_FLAGS"]

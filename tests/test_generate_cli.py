@@ -40,6 +40,7 @@ def model_dirs(tmp_path_factory):
     return d
 
 
+@pytest.mark.slow      # two CLI processes, conversion and generation: `make test`
 def test_jsonl_in_and_out_from_hf_and_orbax(model_dirs, tmp_path):
     lines = [{"prompt": "def f(x):"}, {"prompt_ids": [5, 9, 17, 3]},
              {"prompt": "import os", "max_new_tokens": 3, "temperature": 0.8, "seed": 4, "top_k": 50},

@@ -87,6 +87,7 @@ def test_capacity_drops_the_overflow_and_counts_it():
     assert float(jnp.abs(y - y_ref).max()) < 1e-5
 
 
+@pytest.mark.slow      # the whole model under every dispatch: `make test`
 def test_full_model_logits_agree_across_dispatches():
     base = ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
                        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,

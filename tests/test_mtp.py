@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 import torch
 from flax import nnx
 from safetensors.torch import load_file
@@ -119,6 +120,7 @@ def test_mtp_weights_round_trip_under_deepseek_names(tmp_path):
         assert np.array_equal(np.asarray(a[p]), np.asarray(b[p])), p
 
 
+@pytest.mark.slow      # 30 training steps: `make test`
 def test_mtp_loss_falls(tmp_path):
     cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
                       num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,

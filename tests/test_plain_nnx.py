@@ -11,6 +11,7 @@ import sys
 import textwrap
 
 import numpy as np
+import pytest
 import torch
 
 from hf_ref import hf_model
@@ -49,6 +50,7 @@ LOOP = textwrap.dedent("""
 """) % {"lr": LR, "wd": WD, "steps": STEPS}
 
 
+@pytest.mark.slow      # a fresh process and torch: `make test`
 def test_flax_loop_without_a_mesh_matches_torch_adamw(tmp_path):
     ref = hf_model(seed=8).train()
     ref.save_pretrained(tmp_path / "hf")
