@@ -152,18 +152,19 @@ class _LazyHandler(ocp_types.NumpyHandler):
 MIN_REPLICA_SLICE_BYTES = 16 << 20
 
 
-def arrays_registry():
-    """Orbax's default type handlers, jax.Array's with MIN_REPLICA_SLICE_BYTES."""
+def _registry_with(ty, handler):
+    """Orbax's default type handlers, with `handler` for `ty`."""
     registry = ocp_registry.create_type_handler_registry(*ocp_registry._DEFAULT_TYPE_HANDLERS)
-    registry.add(jax.Array, ocp_types.ArrayHandler(min_slice_bytes_for_replica_parallel=MIN_REPLICA_SLICE_BYTES),
-                 override=True, ignore_warnings=True)
+    registry.add(ty, handler, override=True, ignore_warnings=True)
     return registry
+
+
+def arrays_registry():
+    return _registry_with(jax.Array, ocp_types.ArrayHandler(min_slice_bytes_for_replica_parallel=MIN_REPLICA_SLICE_BYTES))
 
 
 def _lazy_registry():
-    registry = ocp_registry.create_type_handler_registry(*ocp_registry._DEFAULT_TYPE_HANDLERS)
-    registry.add(LazyLeaf, _LazyHandler(), override=True, ignore_warnings=True)
-    return registry
+    return _registry_with(LazyLeaf, _LazyHandler())
 
 
 def save_params_lazy(directory: str | Path, step: int, leaves: dict[tuple, LazyLeaf], cfg: ModelConfig) -> None:
