@@ -23,16 +23,18 @@ demo: $(VENV)/.installed
 	$(BIN)/python -m r1jax.generate --model runs/demo --prompt "def read_config(path):" \
 		--max-new-tokens 64 --temperature 0.7 --top-p 0.95 --seed 0 --speculative
 
-# One pytest run over two workers, each taking whole files. Files start longest first (measured
-# durations; a file not listed starts after them), so that no worker is left running a long
-# file alone at the end. tests/conftest.py sets which files compile with XLA's backend at -O0.
-LONGEST_FIRST := tests/test_mesh.py tests/test_multiprocess.py tests/test_step.py tests/test_train.py \
-	tests/test_checkpoint.py tests/test_generator.py tests/test_slurm.py tests/test_attention.py \
-	tests/test_bench.py tests/test_generate.py tests/test_plan.py tests/test_parity.py
+# One pytest run over two workers, each taking whole files. Files start longest first (durations
+# measured in `make test`; a file not listed starts after them; `make check` keeps the order), so
+# that no worker is left running a long file alone at the end. tests/conftest.py sets which
+# files compile with XLA's backend at -O0.
+LONGEST_FIRST := tests/test_mesh.py tests/test_multiprocess.py tests/test_train.py tests/test_slurm.py \
+	tests/test_step.py tests/test_bench.py tests/test_generate.py tests/test_checkpoint.py \
+	tests/test_attention.py tests/test_plan.py tests/test_parity.py tests/test_generator.py \
+	tests/test_plain_nnx.py tests/test_mtp.py tests/test_generate_cli.py tests/test_convert.py
 TEST_FILES := $(LONGEST_FIRST) $(filter-out $(LONGEST_FIRST),$(sort $(wildcard tests/test_*.py)))
 
 test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=20 $(TEST_FILES)
 
 check: $(VENV)/.installed-test
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not slow" --durations=10
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not slow" --durations=10 $(TEST_FILES)

@@ -17,12 +17,12 @@ import importlib.util
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 from r1jax import config as configlib
+from r1jax.bench import worker
 from r1jax.config import ConfigError, DType
 
 
@@ -48,17 +48,6 @@ def _check_comparable(cfg: configlib.Config) -> None:
     missing = [p for p in ("torch", "transformers") if importlib.util.find_spec(p) is None]
     if missing:
         raise ConfigError(f"--compare torch: {', '.join(missing)} not installed (pip install -e '.[test]')")
-
-
-def _worker(module: str, spec: dict, workdir: Path, name: str) -> dict:
-    spec_path, out_path = workdir / f"{name}.spec.json", workdir / f"{name}.result.json"
-    spec_path.write_text(json.dumps(spec))
-    proc = subprocess.run([sys.executable, "-m", module, str(spec_path), str(out_path)],
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    if proc.returncode != 0 or not out_path.is_file():
-        tail = "\n".join(proc.stdout.strip().splitlines()[-15:])
-        raise RuntimeError(f"{module} ({name}) failed with exit code {proc.returncode}:\n{tail}")
-    return json.loads(out_path.read_text())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,12 +128,12 @@ def main(argv: list[str] | None = None) -> int:
             run = {"dtype": dtype}
             print(f"r1jax {dtype}: compiling and timing {n} steps ...", flush=True)
             export = str(hf_dir) if args.compare and not hf_dir.exists() else None
-            run["r1jax"] = _worker("r1jax.bench.step_timing", {"config": configlib.to_dict(c), "tokens": str(np_path),
+            run["r1jax"] = worker.run("r1jax.bench.step_timing", {"config": configlib.to_dict(c), "tokens": str(np_path),
                                                                "warmup": args.warmup, "export_hf": export},
                                    work, f"r1jax_{dtype}")
             if args.compare:
                 print(f"torch {dtype}: timing {n} steps ...", flush=True)
-                run["torch"] = _worker("r1jax.bench.torch_ref", {
+                run["torch"] = worker.run("r1jax.bench.torch_ref", {
                     "hf_dir": str(hf_dir), "tokens": str(np_path), "warmup": args.warmup, "threads": threads,
                     "dtype": dtype, "lrs": run["r1jax"]["lrs"],
                     "optim": configlib.to_dict(c.optim)}, work, f"torch_{dtype}")

@@ -20,13 +20,14 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+
+from r1jax.bench import worker
 
 HF_EXPERTS = ("grouped_mm", "eager", "batched_mm")
 
@@ -138,16 +139,9 @@ WORKERS = {"r1jax": _r1jax_worker, "bandwidth": _bandwidth_worker, "export": _ex
 
 
 def _spawn(role: str, spec: dict, work: Path, name: str) -> dict:
-    sp, out = work / f"{name}.spec.json", work / f"{name}.out.json"
-    sp.write_text(json.dumps({**spec, "role": role}))
     # the reference runs in its own module: its imports are the `compare` extra
     module = "r1jax.bench.torch_generate" if role == "torch" else "r1jax.bench.generation"
-    proc = subprocess.run([sys.executable, "-m", module, str(sp), str(out)],
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    if proc.returncode != 0 or not out.is_file():
-        tail = "\n".join(proc.stdout.strip().splitlines()[-15:])
-        raise RuntimeError(f"{role} worker ({name}) failed with exit code {proc.returncode}:\n{tail}")
-    return json.loads(out.read_text())
+    return worker.run(module, {**spec, "role": role}, work, name)
 
 
 # ---------------------------------------------------------------------------------- bytes
