@@ -24,6 +24,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint._src.futures import future as ocp_future
+from orbax.checkpoint._src.metadata import array_metadata_store as ocp_array_metadata
 from orbax.checkpoint._src.serialization import type_handler_registry as ocp_registry
 from orbax.checkpoint._src.serialization import type_handlers as ocp_types
 
@@ -160,7 +161,11 @@ def _registry_with(ty, handler):
 
 
 def arrays_registry():
-    return _registry_with(jax.Array, ocp_types.ArrayHandler(min_slice_bytes_for_replica_parallel=MIN_REPLICA_SLICE_BYTES))
+    # Orbax's default jax.Array handler, with the threshold; the metadata store as in the default,
+    # so that checkpoints keep their array_metadatas/ (per-array write shapes)
+    return _registry_with(jax.Array, ocp_types.ArrayHandler(
+        min_slice_bytes_for_replica_parallel=MIN_REPLICA_SLICE_BYTES,
+        array_metadata_store=ocp_array_metadata.Store()))
 
 
 def _lazy_registry():
