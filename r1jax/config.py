@@ -46,6 +46,7 @@ class MoEDispatch(str, enum.Enum):
     loop = "loop"          # every expert on every token, masked (reference; E x FLOPs)
     gather = "gather"      # each pair's expert weights gathered: decode-sized batches
     dense = "dense"        # every expert on every token in one batched product (E/k x FLOPs, no copies)
+    grouped = "grouped"    # per expert, a loop over its own tiles, weights read in place (inference only)
 
 
 class AttentionImpl(str, enum.Enum):
@@ -207,7 +208,7 @@ class InferConfig:
     max_len: int = 0                   # cache positions per row; 0: the bucket of prompt + new tokens
     decode_chunk: int = 16             # decode steps per dispatch (output streams per chunk)
     moe_decode: MoEDispatch = MoEDispatch.auto   # routed experts at decode; auto: by batch bucket
-    decode_tile: int = 8               # rows per expert tile for dropless at decode
+    decode_tile: int = 8               # expert tile rows at decode for a named moe_decode (auto sizes its own)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -543,6 +544,9 @@ def validate_kernels(k: KernelConfig) -> None:
     for name in ("attention_block", "moe_tile_size"):
         _need(getattr(k, name) > 0, f"kernels.{name}={getattr(k, name)}: must be a positive integer")
     _need(k.capacity_factor > 0, f"kernels.capacity_factor={k.capacity_factor}: must be > 0")
+    _need(k.moe_dispatch is not MoEDispatch.grouped,
+          "kernels.moe_dispatch=grouped: inference only (no gradient); training takes auto, dropless, ragged, "
+          "capacity, loop, gather or dense (infer.moe_decode may name grouped)")
 
 
 def validate_infer(i: InferConfig) -> None:
@@ -550,7 +554,7 @@ def validate_infer(i: InferConfig) -> None:
         _need(getattr(i, name) > 0, f"infer.{name}={getattr(i, name)}: must be a positive integer")
     _need(i.max_len >= 0, f"infer.max_len={i.max_len}: must be >= 0 (0: sized from the requests)")
     _need(i.moe_decode is not MoEDispatch.capacity,
-          "infer.moe_decode=capacity: drops tokens; decoding must be exact (auto, gather, dense, dropless, ragged or loop)")
+          "infer.moe_decode=capacity: drops tokens; decoding must be exact (auto, grouped, gather, dense, dropless, ragged or loop)")
 
 
 def validate(cfg: Config) -> None:

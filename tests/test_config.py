@@ -36,6 +36,8 @@ BAD = {
     "negative lr": (["optim.lr=-1"], "optim.lr"),
     "fp16 Adam moments": (["optim.moment_dtype=fp16"], "optim.moment_dtype=fp16: must be fp32 or bf16"),
     "zero attention block": (["kernels.attention_block=0"], "kernels.attention_block=0: must be a positive integer"),
+    "inference-only dispatch for training": (["kernels.moe_dispatch=grouped"],
+                                             "kernels.moe_dispatch=grouped: inference only"),
     "zero steps": (["train.steps=0"], "train.steps"),
     "text source without paths": (["data.source=text"], "data.paths"),
     "dense prefix beyond depth": (["model.first_k_dense_replace=9"], "model.first_k_dense_replace"),

@@ -53,7 +53,22 @@ def test_dispatch_equals_per_expert_loop(kind, kw):
     assert dy < 1e-5 and dg < 1e-5
 
 
-@pytest.mark.parametrize("kind", ["dropless", "gather", "dense"])
+@pytest.mark.parametrize("tile", [1, 3, 8, 256])
+@pytest.mark.parametrize("layout", ["separate", "stacked"])
+def test_grouped_equals_per_expert_loop(tile, layout):
+    """`grouped` (inference only: forward) with the experts as separate arrays (the generator's
+    layout) or stacked; any tile, including ones that split an expert's run and one past all pairs."""
+    x, router, bias, experts = _inputs()
+    wts, idx, _ = route(x, router, bias, CFG)
+    y_ref, _ = dispatch.routed_loop(x, wts, idx, *experts)
+    if layout == "separate":
+        experts = [tuple(a[e] for e in range(E)) for a in experts]
+    y, dropped = jax.jit(lambda x, w, i, ex: dispatch.routed_grouped(x, w, i, *ex, tile=tile))(x, wts, idx, experts)
+    assert int(dropped) == 0
+    assert float(jnp.abs(y - y_ref).max()) < 1e-5
+
+
+@pytest.mark.parametrize("kind", ["dropless", "gather", "dense", "grouped"])
 def test_expert_ids_past_the_local_experts_contribute_nothing(kind):
     """Expert parallelism hands a shard every pair, ids >= its expert count marking pairs owned
     elsewhere: those add zero, the rest equal the loop over the local experts alone."""
@@ -98,7 +113,7 @@ def test_full_model_logits_agree_across_dispatches():
     ids = jnp.asarray(np.random.default_rng(0).integers(0, 128, (2, 16)), jnp.int32)
     outs = {}
     for kind in (MoEDispatch.loop, MoEDispatch.dropless, MoEDispatch.capacity, MoEDispatch.ragged,
-                 MoEDispatch.gather, MoEDispatch.dense):
+                 MoEDispatch.gather, MoEDispatch.dense, MoEDispatch.grouped):
         model = weights.create(base, KernelConfig(moe_dispatch=kind, capacity_factor=4.0))
         outs[kind] = jax.jit(lambda m: m(ids, mtp=True))(model)
     ref = outs[MoEDispatch.loop]

@@ -12,7 +12,7 @@ from scipy import stats
 from transformers.generation.logits_process import (MinPLogitsWarper, TemperatureLogitsWarper,
                                                     TopKLogitsWarper, TopPLogitsWarper)
 
-from r1jax.infer.sampling import Sampling, filtered_logits, logprobs, sample
+from r1jax.infer.sampling import Sampling, argmax, filtered_logits, logprobs, sample
 
 W = 50
 
@@ -96,3 +96,19 @@ def test_logprobs_are_the_raw_log_softmax():
     np.testing.assert_allclose(np.asarray(chosen), np.asarray(ref)[np.arange(3), [4, 9, 0]], rtol=1e-6)
     np.testing.assert_array_equal(np.asarray(top_ids), np.argsort(-np.asarray(ref), -1)[:, :5])
     assert (np.diff(np.asarray(top_lp), axis=-1) <= 0).all()
+
+
+@pytest.mark.parametrize("width,chunk", [(50, 256), (1000, 256), (1024, 256), (1000, 7), (32000, 256)])
+def test_chunked_argmax_is_jnp_argmax(width, chunk):
+    """The first index of the maximum, as jnp.argmax: ties (placed in different chunks and in one
+    chunk), rows of -inf, and widths that are no multiple of the chunk."""
+    r = np.random.default_rng(width)
+    z = r.normal(size=(6, width)).astype(np.float32)
+    z[1, [width - 1, 3]] = 9.0                      # a tie across chunks: the first wins
+    z[2, [width // 2, width // 2 + 1]] = 9.0        # a tie inside one chunk
+    z[3] = -np.inf
+    z[4, width - 1] = 50.0                          # the maximum in the last, partial chunk
+    z = z.astype(np.float32)
+    got = jax.jit(lambda z: argmax(z, chunk))(jnp.asarray(z))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.argmax(jnp.asarray(z), -1)))
+    assert got.dtype == jnp.int32

@@ -37,7 +37,7 @@ from jax.sharding import Mesh, NamedSharding
 from r1jax import model as modellib
 from r1jax.config import InferConfig, KernelConfig, ModelConfig, MoEDispatch
 from r1jax.infer import cache as cachelib
-from r1jax.infer.sampling import Sampling, logprobs, sample
+from r1jax.infer.sampling import Sampling, argmax, logprobs, sample
 from r1jax.model.kv import KV
 from r1jax.parallel import mesh as meshlib
 
@@ -96,20 +96,33 @@ def bucket(n: int, lo: int = 1) -> int:
     return max(lo, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
 
 
-def decode_kernels(kernels: KernelConfig, infer: InferConfig, m: ModelConfig, tokens: int) -> KernelConfig:
-    """How a decode step of `tokens` tokens (per batch shard) computes the routed experts.
-    `auto`, by the step's (token, expert) pairs P against the expert count E: `gather` (each
-    pair's expert weights copied out, used once) while P <= E/2; `dense` (every expert on every
-    token, the weights read in place) while P <= 2E; above, the dropless tile scan (a loop step
-    and an expert copy per live tile, but no E/k x FLOPs). Measured on moe_small (E=8, k=2),
-    ms per step at batch 1/2/8/32: gather 3.8/9.8/22.7/68.5, dense 6.3/15.5/14.4/31.5, dropless
-    6.1/11.5/16.6/28.9 (bench/RESULTS.md has the side-by-side run)."""
+def grouped_tile(pairs: int, experts: int, cap: int) -> int:
+    """The `grouped` tile for a step of `pairs` (token, expert) pairs: about twice the pairs an
+    expert gets (a power of two, at most `cap`). moe_small decode on a quiet 2-core EPYC, ms a
+    step by tile: batch 1 (2 pairs) tile 1 2.84, 2 3.65, 4 4.07 (one after another, best of 4);
+    batch 8 (16 pairs) 2 10.46, 4 8.70, 8 10.29 and batch 32 (64 pairs) 8 19.25, 16 17.31,
+    32 19.05 (best of 4 alternating rounds)."""
+    return min(cap, bucket(-(-2 * pairs // experts)))
+
+
+def decode_kernels(kernels: KernelConfig, infer: InferConfig, m: ModelConfig, tokens: int,
+                   split_experts: bool = True) -> KernelConfig:
+    """How a step of `tokens` tokens (per batch shard) computes the routed experts. `auto` with
+    the experts as separate arrays (`split_experts`, no expert parallelism): `grouped` with
+    `grouped_tile` rows a tile, so each selected expert's weights are read in place about once
+    (a named `infer.moe_decode` tiles by `infer.decode_tile`); bench/moe_decode.py measures it
+    against the stacked dispatches. With the experts sharded over `expert` (stacked): `gather`
+    while P <= E/2, `dense` while P <= 2E, then `dropless`."""
     kind = infer.moe_decode
+    pairs, E = tokens * m.num_experts_per_tok, m.n_routed_experts
     if kind is MoEDispatch.auto:
-        pairs, E = tokens * m.num_experts_per_tok, m.n_routed_experts
-        kind = (MoEDispatch.gather if 2 * pairs <= E else
+        kind = (MoEDispatch.grouped if split_experts else
+                MoEDispatch.gather if 2 * pairs <= E else
                 MoEDispatch.dense if pairs <= 2 * E else MoEDispatch.dropless)
-    return dataclasses.replace(kernels, moe_dispatch=kind, moe_tile_size=infer.decode_tile)
+    tile = infer.decode_tile
+    if infer.moe_decode is MoEDispatch.auto and kind is MoEDispatch.grouped:
+        tile = grouped_tile(pairs, E, kernels.moe_tile_size)
+    return dataclasses.replace(kernels, moe_dispatch=kind, moe_tile_size=tile)
 
 
 class Generator:
@@ -117,14 +130,21 @@ class Generator:
 
     def __init__(self, m: ModelConfig, state: nnx.State, infer: InferConfig = InferConfig(), *,
                  mesh: Mesh | None = None, kernels: KernelConfig = KernelConfig(), eos_id: int | None = None,
-                 tokenizer=None):
+                 tokenizer=None, split_experts: bool | None = None):
         self.m, self.infer, self.kernels = m, infer, kernels
         self.mesh = mesh if mesh is not None else meshlib.single_device_mesh()
         self.dtype = modellib.COMPUTE_DTYPES[infer.dtype]
         self.cache_dtype = modellib.COMPUTE_DTYPES[infer.cache_dtype]
         self.eos_id = m.eos_token_id if eos_id is None else eos_id
         self.tokenizer = tokenizer
-        self.params, self._abstract_stacks = _unstacked(_in_compute_dtype(state, self.dtype))
+        # experts sharded over a mesh axis stay stacked (expert parallelism exchanges tokens
+        # over the stack); otherwise each expert is its own array, read in place by `grouped`
+        # (`split_experts=False` keeps them stacked: bench/moe_decode.py compares the two)
+        ep = self.mesh.shape.get("expert", 1) > 1
+        if split_experts and ep:
+            raise ValueError("split_experts: experts sharded over the expert axis stay stacked")
+        self.split_experts = (not ep) if split_experts is None else split_experts
+        self.params, self._abstract_stacks = _unstacked(_in_compute_dtype(state, self.dtype), self.split_experts)
         self._steps: dict = {}
         self._graphdefs: dict = {}
         self._caches: dict = {}
@@ -161,8 +181,14 @@ class Generator:
 
     def _prefill_fn(self, speculative: bool, top: int | None):
         def prefill(params, ids, lengths, rows: Rows, kv: KV):
-            model, layers = self._model(self.kernels, params)
             B, T = ids.shape
+            kernels = self.kernels
+            if self.split_experts and kernels.moe_dispatch is MoEDispatch.auto:
+                # the prompt's experts read in place, in tiles of up to kernels.moe_tile_size
+                pairs = B * T // self.batch_shards * self.m.num_experts_per_tok
+                kernels = dataclasses.replace(kernels, moe_dispatch=MoEDispatch.grouped, moe_tile_size=grouped_tile(
+                    pairs, self.m.n_routed_experts, kernels.moe_tile_size))
+            model, layers = self._model(kernels, params)
             t = jnp.arange(T, dtype=jnp.int32)[None]
             seg = (t < lengths[:, None]).astype(jnp.int32)
             last = (lengths - 1)[:, None]
@@ -181,7 +207,7 @@ class Generator:
                 nxt = jnp.where(t == last, tok[:, None], jnp.roll(ids, -1, axis=1))
                 d = model.draft(out.hidden, nxt, jnp.broadcast_to(t, (B, T)), kv, at=last)
                 h_prev = jnp.take_along_axis(out.hidden, last[:, :, None], axis=1)[:, 0]
-                rows = dataclasses.replace(rows, draft=jnp.argmax(d.logits[:, 0], -1).astype(jnp.int32),
+                rows = dataclasses.replace(rows, draft=argmax(d.logits[:, 0]),
                                            h_prev=h_prev.astype(rows.h_prev.dtype))
                 kv = d.kv
             return rows, dataclasses.replace(kv, absorbed=True), lp
@@ -190,7 +216,8 @@ class Generator:
 
     def _decode_fn(self, rows_bucket: int, steps: int, speculative: bool, top: int | None):
         per_iter = 2 if speculative else 1
-        kernels = decode_kernels(self.kernels, self.infer, self.m, rows_bucket * per_iter // self.batch_shards)
+        kernels = decode_kernels(self.kernels, self.infer, self.m, rows_bucket * per_iter // self.batch_shards,
+                                 self.split_experts)
 
         def decode(params, rows: Rows, kv: KV):
             model, layers = self._model(kernels, params)
@@ -227,7 +254,7 @@ class Generator:
                 x = jnp.where(accept[:, None], jnp.stack([first, second], 1), jnp.stack([rows.tok, first], 1))
                 idx = jnp.maximum(rows2.pos[:, None] - 2 + jnp.arange(2, dtype=jnp.int32)[None], 0)
                 d = model.draft(h, x, idx, o.kv, at=jnp.ones((B, 1), jnp.int32))
-                draft = jnp.argmax(d.logits[:, 0], -1).astype(jnp.int32)
+                draft = argmax(d.logits[:, 0])
                 rows2 = dataclasses.replace(rows2, draft=jnp.where(live, draft, rows.draft),
                                             h_prev=jnp.where(live[:, None], h[:, 1].astype(rows.h_prev.dtype), rows.h_prev))
                 out = out.count_draft(live, accept)
@@ -406,21 +433,31 @@ class Emitted:
 STACKS = {"dense_layers": "dense", "moe_layers": "moe"}
 
 
-def _unstacked(state: nnx.State):
+EXPERT_WEIGHTS = ("gate_EDF", "up_EDF", "down_EFD")
+
+
+def _unstacked(state: nnx.State, split_experts: bool):
     """((the state without its layer stacks, {stack: one state per layer}), the stacks' leaves
     as ShapeDtypeStructs). Generation runs the stacks unrolled (`Stack.__call__`); each layer's
-    arrays are sliced out once here, and the stacked originals are not kept."""
+    arrays are sliced out once here, and the stacked originals are not kept. With
+    `split_experts`, each routed-expert weight becomes a tuple of per-expert arrays (the
+    `grouped` dispatch reads a selected expert in place; a slice of a stack would be a copy)."""
+    def split(path, var, a):
+        if split_experts and path[-1] in EXPERT_WEIGHTS:
+            return var.replace(tuple(a[e] for e in range(a.shape[0])))
+        return var.replace(a)
+
     rest, abstract, layers = [], [], {}
     for path, var in nnx.to_flat_state(state):
         name = STACKS.get(path[0])
         if name is None or path[1] != "layers":
-            rest.append((path, var))
+            rest.append((path, split(path, var, var.get_value())))
             continue
         a = var.get_value()
         abstract.append((path, var.replace(jax.ShapeDtypeStruct(a.shape, a.dtype))))
         per = layers.setdefault(name, [[] for _ in range(a.shape[0])])
         for i in range(a.shape[0]):
-            per[i].append((path[2:], var.replace(a[i])))
+            per[i].append((path[2:], split(path, var, a[i])))
     params = (nnx.from_flat_state(rest), {k: [nnx.from_flat_state(v) for v in per] for k, per in layers.items()})
     return params, nnx.from_flat_state(abstract)
 

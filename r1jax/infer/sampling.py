@@ -70,10 +70,24 @@ def filtered_logits(logits_BW: jax.Array, s: Sampling) -> jax.Array:
     return jnp.where((s.min_p[:, None] > 0) & (z < floor), NEG, z)
 
 
+def argmax(logits_BW: jax.Array, chunk: int = 256) -> jax.Array:
+    """[B] int32: the first index of each row's maximum, as jnp.argmax. XLA:CPU runs argmax's
+    (value, index) reduction as a scalar loop (B=32 x 32,000 fp32 logits: 2.7 ms, against 0.5
+    for a plain max), so the maximum is found per chunk of `chunk` logits with a plain max, and
+    argmax runs only over the chunk maxima and the one chunk that holds the row's maximum
+    (0.56 ms; quiet 2-core EPYC)."""
+    B, W = logits_BW.shape
+    n = -(-W // chunk)
+    z = jnp.pad(logits_BW, ((0, 0), (0, n * chunk - W)), constant_values=-jnp.inf).reshape(B, n, chunk)
+    c = jnp.argmax(jnp.max(z, axis=-1), axis=-1)                       # the first chunk with the max
+    inside = jnp.argmax(jnp.take_along_axis(z, c[:, None, None], axis=1)[:, 0], axis=-1)
+    return (c * chunk + inside).astype(jnp.int32)
+
+
 def sample(logits_BW: jax.Array, s: Sampling, index_B: jax.Array) -> jax.Array:
     """[B] int32 tokens: argmax where temperature is 0, else a draw from the filtered softmax
     keyed by (seed, index)."""
-    greedy = jnp.argmax(logits_BW, axis=-1).astype(jnp.int32)
+    greedy = argmax(logits_BW)
 
     def draw(_):
         z = filtered_logits(logits_BW, s)

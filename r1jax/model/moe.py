@@ -18,7 +18,14 @@ from jax.ad_checkpoint import checkpoint_name
 from r1jax.config import KernelConfig, ModelConfig
 from r1jax.kernels import dispatch, expert_parallel
 from r1jax.logical import constrain, variable
-from r1jax.model.layers import F32, MLP, RouterBias, cast, normal_param
+from r1jax.model.layers import F32, MLP, RouterBias, normal_param
+
+
+def _experts(v: nnx.Variable, dtype):
+    """A routed-expert weight in the compute dtype: stacked [E, ...], or (the generator's layout,
+    r1jax/infer/generator.py) a tuple of E separate arrays that `grouped` reads in place."""
+    a = v.get_value()
+    return tuple(e.astype(dtype) for e in a) if isinstance(a, tuple) else a.astype(dtype)
 
 
 def route(x_TD: jax.Array, weight_DE: jax.Array, bias_E: jax.Array, cfg: ModelConfig):
@@ -72,7 +79,9 @@ class MoE(nnx.Module):
         x_TD = x_BTD.reshape(B * T, D)
         w, idx, scores = route(x_TD, self.router_DE[...], self.router_bias_E[...], cfg)
         kind = dispatch.resolve(kn.moe_dispatch.value)
-        experts = (cast(self.gate_EDF, dt), cast(self.up_EDF, dt), cast(self.down_EFD, dt))
+        experts = tuple(_experts(v, dt) for v in (self.gate_EDF, self.up_EDF, self.down_EFD))
+        if isinstance(experts[0], tuple) and kind != "grouped":
+            experts = tuple(jnp.stack(t) for t in experts)
         opts = dict(tile=kn.moe_tile_size, capacity_factor=kn.capacity_factor)
         if expert_parallel.expert_axis()[1] > 1:        # experts sharded: exchange tokens (shard_map)
             y, dropped = expert_parallel.routed(kind, x_TD, w, idx, *experts, **opts)
