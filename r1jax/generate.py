@@ -158,21 +158,13 @@ def main(argv: list[str] | None = None) -> int:
     except InputError as e:
         return fail(str(e))
 
-    from r1jax.data import tokenizer as toklib
-    from r1jax.infer.generator import Generator
-    from r1jax.parallel import mesh as meshlib
-    import dataclasses
-    cfg = src.cfg
-    mesh_cfg = cfg.mesh if cfg.mesh.pipeline == 1 else dataclasses.replace(cfg.mesh, pipeline=1, data=-1)
-    try:
-        mesh = meshlib.make_mesh(mesh_cfg)
-    except ConfigError as e:
-        return fail(str(e))
     log = lambda s: print(s, file=sys.stderr, flush=True)
     t0 = time.perf_counter()
-    state = src.load(mesh, log)
-    eos = m.eos_token_id if tokenizer is None else (toklib.eos_id(tokenizer) if toklib.eos_id(tokenizer) is not None else m.eos_token_id)
-    gen = Generator(m, state, cfg.infer, mesh=mesh, kernels=cfg.kernels, eos_id=eos, tokenizer=tokenizer)
+    try:
+        gen = src.generator(tokenizer, log)
+    except ConfigError as e:
+        return fail(str(e))
+    cfg = src.cfg
     requests = [_request(ids, f) for ids, f in items]
     rows, _, S = gen.shapes_for(requests[:cfg.infer.batch_size])
     log(f"loaded {a.model} in {time.perf_counter() - t0:.1f}s; {gen.cache_line(rows, S)}")

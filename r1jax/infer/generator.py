@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from typing import Callable
 
 import jax
@@ -168,7 +169,7 @@ class Generator:
         return self._steps[key]
 
     def _prefill_step(self, speculative: bool, top: int | None):
-        return self._jit(("prefill", speculative, top), lambda: self._prefill_fn(speculative, top), (3, 4))
+        return self._jit(("prefill", speculative, top), lambda: self._prefill_fn(speculative, top), (5, 6))
 
     def _decode_step(self, rows_bucket: int, steps: int, speculative: bool, top: int | None):
         return self._jit(("decode", rows_bucket, steps, speculative, top),
@@ -180,7 +181,9 @@ class Generator:
         return nnx.merge(self._graphdef(kernels), rest, self._abstract_stacks), layers
 
     def _prefill_fn(self, speculative: bool, top: int | None):
-        def prefill(params, ids, lengths, rows: Rows, kv: KV):
+        def prefill(params, ids, lengths, new: Rows, at, rows: Rows, kv: KV):
+            """The prompts `ids` [P, T] into slots `at` [P] (past the slots: a padding row, whose
+            writes are dropped) of the cache and of the slot state `rows` [n]."""
             B, T = ids.shape
             kernels = self.kernels
             if self.split_experts and kernels.moe_dispatch is MoEDispatch.auto:
@@ -192,14 +195,14 @@ class Generator:
             t = jnp.arange(T, dtype=jnp.int32)[None]
             seg = (t < lengths[:, None]).astype(jnp.int32)
             last = (lengths - 1)[:, None]
+            kv = dataclasses.replace(kv, slots=at, absorbed=False)
             out = model(ids, jnp.broadcast_to(t, (B, T)), seg, kv=kv, at=last, layers=layers)
             logits = out.logits[:, 0]
-            tok = sample(logits, rows.sampling, jnp.zeros((B,), jnp.int32))
+            tok = sample(logits, new.sampling, jnp.zeros((B,), jnp.int32))
             lp = logprobs(logits, tok, top)
-            stop = _is_stop(tok, rows.stop_ids)
-            rows = dataclasses.replace(rows, tok=tok, pos=lengths, n=jnp.ones_like(lengths),
-                                       done=stop | (rows.max_new <= 1) | (lengths >= kv_len(kv)),
-                                       stopped=stop)
+            stop = _is_stop(tok, new.stop_ids)
+            new = dataclasses.replace(new, tok=tok, pos=lengths, n=jnp.ones_like(lengths),
+                                      done=stop | (new.max_new <= 1) | (lengths >= kv_len(kv)), stopped=stop)
             kv = out.kv
             if speculative:
                 # the MTP module's cache for indices 0..len-1 (h_t with token t+1; the last
@@ -207,10 +210,10 @@ class Generator:
                 nxt = jnp.where(t == last, tok[:, None], jnp.roll(ids, -1, axis=1))
                 d = model.draft(out.hidden, nxt, jnp.broadcast_to(t, (B, T)), kv, at=last)
                 h_prev = jnp.take_along_axis(out.hidden, last[:, :, None], axis=1)[:, 0]
-                rows = dataclasses.replace(rows, draft=argmax(d.logits[:, 0]),
-                                           h_prev=h_prev.astype(rows.h_prev.dtype))
+                new = dataclasses.replace(new, draft=argmax(d.logits[:, 0]), h_prev=h_prev.astype(new.h_prev.dtype))
                 kv = d.kv
-            return rows, dataclasses.replace(kv, absorbed=True), lp
+            rows = jax.tree.map(lambda a, x: a.at[at].set(x, mode="drop"), rows, new)
+            return rows, dataclasses.replace(kv, slots=None, absorbed=True), (tok, lp)
 
         return prefill
 
@@ -219,9 +222,12 @@ class Generator:
         kernels = decode_kernels(self.kernels, self.infer, self.m, rows_bucket * per_iter // self.batch_shards,
                                  self.split_experts)
 
-        def decode(params, rows: Rows, kv: KV):
+        def decode(params, slots: Rows, kv: KV):
+            """`steps` steps of the first `rows_bucket` slots (the cache keeps every slot's rows;
+            the model reads the first rows_bucket of them)."""
             model, layers = self._model(kernels, params)
-            B = rows.tok.shape[0]
+            rows = jax.tree.map(lambda a: a[:rows_bucket], slots)
+            B = rows_bucket
             S = kv_len(kv)
             out = Emitted.empty(B, steps * per_iter, top or 0)
 
@@ -271,7 +277,7 @@ class Generator:
                 return (i + 1, *body(i, rows, kv, out))
 
             _, rows, kv, out = jax.lax.while_loop(cond, step, (jnp.int32(0), rows, kv, out))
-            return rows, kv, out
+            return jax.tree.map(lambda a, x: a.at[:rows_bucket].set(x), slots, rows), kv, out
 
         return decode
 
@@ -279,13 +285,67 @@ class Generator:
     def cache_line(self, rows: int, max_len: int) -> str:
         return cachelib.describe(self.m, self.cache_dtype, rows, max_len)
 
-    def _cache(self, rows: int, max_len: int, mtp: bool) -> KV:
-        key = (rows, max_len, mtp)
+    # ------------------------------------------------------------------ slots
+    def new_slots(self, n: int, max_len: int, speculative: bool = False) -> "Slots":
+        """`n` empty decode slots (rounded up to the mesh's batch shards) of `max_len` positions."""
+        n = -(-n // self.batch_shards) * self.batch_shards
+        key = (n, max_len, speculative)
         kv = self._caches.pop(key, None)
         if kv is None:
-            kv = cachelib.zeros(self.m, rows, max_len, self.cache_dtype, self.mesh, mtp=mtp, unrolled=True)
-        return dataclasses.replace(kv, absorbed=False)
+            kv = dataclasses.replace(cachelib.zeros(self.m, n, max_len, self.cache_dtype, self.mesh,
+                                                    mtp=speculative, unrolled=True), absorbed=True)
+        rows = self._rows([], n)
+        return Slots(dataclasses.replace(rows, done=self._put(np.ones(n, bool))), kv, speculative)
 
+    def release(self, slots: "Slots") -> None:
+        """Keep `slots`' cache for the next `new_slots` of its shape (no new allocation)."""
+        self._caches[(slots.size, slots.max_len, slots.speculative)] = slots.kv
+
+    def insert(self, slots: "Slots", reqs: list[Request], at: list[int], top: int | None = None):
+        """Prefill `reqs` into the free slots `at` (one pass over the right-padded prompts):
+        (slots, per request (first token, its logprob, top ids, top logprobs)) on the host.
+        `top`: how many alternatives' logprobs the step computes (None: none)."""
+        for r in reqs:
+            if not r.prompt_ids:
+                raise ValueError("a prompt needs at least one token")
+            if len(r.prompt_ids) >= slots.max_len:
+                raise ValueError(f"a prompt of {len(r.prompt_ids)} tokens does not fit the cache's "
+                                 f"{slots.max_len} positions")
+        P = -(-bucket(len(reqs)) // self.batch_shards) * self.batch_shards
+        T = min(bucket(max(len(r.prompt_ids) for r in reqs), 16), slots.max_len)
+        ids = np.zeros((P, T), np.int32)
+        lengths = np.ones((P,), np.int32)
+        for i, r in enumerate(reqs):
+            ids[i, :len(r.prompt_ids)] = r.prompt_ids
+            lengths[i] = len(r.prompt_ids)
+        where = np.full((P,), slots.size, np.int32)                   # padding rows: dropped
+        where[:len(reqs)] = at
+        step = self._prefill_step(slots.speculative, top)
+        rows, kv, (tok, lp) = step(self.params, self._put(ids), self._put(lengths), self._rows(reqs, P),
+                                   self._put(where), slots.rows, slots.kv)
+        tok, (chosen, top_ids, top_lp) = jax.device_get((tok, lp))
+        n = len(reqs)
+        return Slots(rows, kv, slots.speculative), list(zip(tok[:n], chosen[:n], top_ids[:n], top_lp[:n]))
+
+    def step(self, slots: "Slots", rows: int, steps: int, top: int | None = None):
+        """Decode the first `rows` slots (a multiple of the batch shards) for up to `steps` steps,
+        stopping early once all of them are done: (slots, and on the host the Emitted tokens,
+        each of those slots' done and stopped-by-a-stop-token flags)."""
+        decode = self._decode_step(rows, steps, slots.speculative, top)
+        r, kv, out = decode(self.params, slots.rows, slots.kv)
+        em, done, stopped = jax.device_get((out, r.done[:rows], r.stopped[:rows]))
+        self.stats["drafted"] += int(em.drafted)
+        self.stats["accepted"] += int(em.accepted)
+        return Slots(r, kv, slots.speculative), em, np.asarray(done), np.asarray(stopped)
+
+    def finish(self, slots: "Slots", which: list[int]) -> "Slots":
+        """Mark slots done (a stop string matched on the host, a cancelled request)."""
+        if not which:
+            return slots
+        return dataclasses.replace(slots, rows=dataclasses.replace(
+            slots.rows, done=slots.rows.done.at[jnp.asarray(which)].set(True)))
+
+    # ------------------------------------------------------------------ whole batches
     def generate(self, requests: list[Request], *, speculative: bool = False,
                  on_text: Callable[[int, str], None] | None = None) -> list[Completion]:
         """Completions in request order. `on_text(i, delta)` receives request i's text as it is
@@ -313,9 +373,8 @@ class Generator:
         return rows, T, S
 
     def _run(self, reqs: list[Request], speculative: bool, on_text) -> list[Completion]:
-        for r in reqs:
-            if not r.prompt_ids:
-                raise ValueError("a prompt needs at least one token")
+        """One batch: every request into a slot of its own, decoded until all are done."""
+        t0 = time.perf_counter()
         n = len(reqs)
         Bb, T, S = self.shapes_for(reqs)
         if self.infer.max_len and max(len(r.prompt_ids) for r in reqs) >= S:
@@ -323,34 +382,25 @@ class Generator:
                              f"infer.max_len={S}")
         want_lp = any(r.logprobs is not None for r in reqs)
         top = max(r.logprobs or 0 for r in reqs) if want_lp else None
-        ids = np.zeros((Bb, T), np.int32)
-        lengths = np.ones((Bb,), np.int32)
-        for i, r in enumerate(reqs):
-            ids[i, :len(r.prompt_ids)] = r.prompt_ids
-            lengths[i] = len(r.prompt_ids)
-        rows = self._rows(reqs, Bb)
-        kv = self._cache(Bb, S, speculative)
-        prefill = self._prefill_step(speculative, top)
-        rows, kv, first = prefill(self.params, self._put(ids), self._put(lengths), rows, kv)
-        host = _HostRows(reqs, self.tokenizer, on_text, want_lp)
-        host.add_first(*jax.device_get((first, rows.tok)))
-        decode = self._decode_step(Bb, self.infer.decode_chunk, speculative, top)
+        streams = [Stream(r, self.tokenizer, None if on_text is None else (lambda d, i=i: on_text(i, d)), want_lp)
+                   for i, r in enumerate(reqs)]
+        slots, first = self.insert(self.new_slots(Bb, S, speculative), reqs, list(range(n)), top)
+        self.stats["first_token_s"] = time.perf_counter() - t0
+        for st, f in zip(streams, first):
+            st.push([f[0]], [f[1]], [f[2]], [f[3]])
+        done, stopped = (np.array(a)[:n] for a in jax.device_get((slots.rows.done, slots.rows.stopped)))
         while True:
-            done = np.array(jax.device_get(rows.done))[:n]
-            stop_now = host.check_stops()
-            if stop_now:
-                rows = dataclasses.replace(rows, done=rows.done.at[jnp.asarray(stop_now)].set(True))
-                done[stop_now] = True
+            stop_now = [i for i, st in enumerate(streams) if st.cut is not None and not done[i]]
+            slots = self.finish(slots, stop_now)
+            done[stop_now] = True
             if done.all():
                 break
-            rows, kv, out = decode(self.params, rows, kv)
-            em = jax.device_get(out)
-            self.stats["drafted"] += int(em.drafted)
-            self.stats["accepted"] += int(em.accepted)
-            host.add(em)
-        self._caches[(Bb, S, speculative)] = kv
-        r = jax.device_get(rows)
-        return host.finish(r.stopped[:n], S)
+            slots, em, done, stopped = self.step(slots, Bb, self.infer.decode_chunk, top)
+            done, stopped = done[:n].copy(), stopped[:n]
+            for i, st in enumerate(streams):
+                st.push_emitted(em, i)
+        self.release(slots)
+        return [st.finish(bool(stopped[i])) for i, st in enumerate(streams)]
 
     def _put(self, a):
         return jax.device_put(a, meshlib.batch_sharding(self.mesh))
@@ -472,83 +522,84 @@ def _in_compute_dtype(state: nnx.State, dtype) -> nnx.State:
 
 
 # ---------------------------------------------------------------------- host bookkeeping
-class _HostRows:
-    """Per-request completion ids, text, stop strings and streaming on the host."""
+@dataclasses.dataclass
+class Slots:
+    """Decode slots on the device: the per-slot state `rows` [n] and the cache [n, S].
+    `Generator.insert` prefills requests into free slots, `Generator.step` decodes the first
+    slots, `Generator.finish` stops some; a done slot emits nothing and may be refilled."""
+    rows: Rows
+    kv: KV
+    speculative: bool
 
-    def __init__(self, reqs: list[Request], tokenizer, on_text, want_lp: bool):
+    @property
+    def size(self) -> int:
+        return self.rows.tok.shape[0]
+
+    @property
+    def max_len(self) -> int:
+        return kv_len(self.kv)
+
+
+class Stream:
+    """One request's completion on the host: ids, logprobs, text through `tokenizers`'
+    DecodeStream (never a split UTF-8 character), stop strings, and `on_text(delta)` streaming."""
+
+    def __init__(self, req: Request, tokenizer=None, on_text: Callable[[str], None] | None = None,
+                 want_lp: bool = False):
         from tokenizers import decoders
-        self.reqs, self.tok, self.on_text, self.want_lp = reqs, tokenizer, on_text, want_lp
-        n = len(reqs)
-        self.ids: list[list[int]] = [[] for _ in range(n)]
-        self.lps: list[list[float]] = [[] for _ in range(n)]
-        self.tops: list[list[dict]] = [[] for _ in range(n)]
-        self.text = [""] * n
-        self.sent = [0] * n
-        self.cut: list[int | None] = [None] * n      # token count where a stop string ended
+        self.req, self.tok, self.on_text, self.want_lp = req, tokenizer, on_text, want_lp
+        self.ids: list[int] = []
+        self.lps: list[float] = []
+        self.tops: list[dict] = []
+        self.text = ""
+        self.sent = 0
+        self.cut: int | None = None      # token count where a stop string ended
         # special tokens (EOS) stay in the ids but not in the text, as vLLM and the OpenAI API
-        self.streams = [decoders.DecodeStream(skip_special_tokens=True) for _ in range(n)] if tokenizer else None
-        self.hold = [max([len(s) for s in r.stop] + [1]) - 1 for r in reqs]
+        self.stream = decoders.DecodeStream(skip_special_tokens=True) if tokenizer is not None else None
+        self.hold = max([len(s) for s in req.stop] + [1]) - 1
 
-    def _push(self, i: int, toks, lps, top_ids, top_lp):
+    def push(self, toks, lps, top_ids, top_lp) -> None:
         for j, t in enumerate(toks):
-            if self.cut[i] is not None:
+            if self.cut is not None:
                 return
-            self.ids[i].append(int(t))
+            self.ids.append(int(t))
             if self.want_lp:
-                self.lps[i].append(float(lps[j]))
-                self.tops[i].append({int(a): float(b) for a, b in zip(top_ids[j], top_lp[j])})
-            if self.streams is not None:
-                piece = self.streams[i].step(self.tok, int(t))
+                self.lps.append(float(lps[j]))
+                self.tops.append({int(a): float(b) for a, b in zip(top_ids[j], top_lp[j])})
+            if self.stream is not None:
+                piece = self.stream.step(self.tok, int(t))
                 if piece:
-                    before = len(self.text[i])
-                    self.text[i] += piece
-                    self._match_stop(i, max(0, before - self.hold[i]))
-            self._stream(i, final=False)
+                    before = len(self.text)
+                    self.text += piece
+                    self._match_stop(max(0, before - self.hold))
+            self._send(final=False)
 
-    def _match_stop(self, i: int, start: int):
+    def push_emitted(self, em: "Emitted", row: int) -> None:
+        c = int(em.count[row])
+        if c:
+            self.push(em.tokens[row, :c], em.lp[row, :c], em.top_ids[row, :c], em.top_lp[row, :c])
+
+    def _match_stop(self, start: int) -> None:
         """Cut the text at the first stop string that ends in the new piece (one that began
         earlier would have been found earlier: it cannot start before `start`)."""
-        hits = [h for h in (self.text[i].find(s, start) for s in self.reqs[i].stop if s) if h >= 0]
+        hits = [h for h in (self.text.find(s, start) for s in self.req.stop if s) if h >= 0]
         if hits:
-            self.text[i] = self.text[i][:min(hits)]
-            self.cut[i] = len(self.ids[i])
+            self.text = self.text[:min(hits)]
+            self.cut = len(self.ids)
 
-    def _stream(self, i: int, final: bool):
+    def _send(self, final: bool) -> None:
         if self.on_text is None:
             return
-        upto = len(self.text[i]) if (final or self.cut[i] is not None) else len(self.text[i]) - self.hold[i]
-        if upto > self.sent[i]:
-            self.on_text(i, self.text[i][self.sent[i]:upto])
-            self.sent[i] = upto
+        upto = len(self.text) if (final or self.cut is not None) else len(self.text) - self.hold
+        if upto > self.sent:
+            self.on_text(self.text[self.sent:upto])
+            self.sent = upto
 
-    def add_first(self, first, toks):
-        chosen, top_ids, top_lp = first
-        for i in range(len(self.reqs)):
-            self._push(i, [toks[i]], [chosen[i]], [top_ids[i]], [top_lp[i]])
-
-    def add(self, em: Emitted):
-        for i in range(len(self.reqs)):
-            c = int(em.count[i])
-            if c:
-                self._push(i, em.tokens[i, :c], em.lp[i, :c], em.top_ids[i, :c], em.top_lp[i, :c])
-
-    def check_stops(self) -> list[int]:
-        """Rows a stop string finished since the last call (the device must stop them)."""
-        new = [i for i, c in enumerate(self.cut) if c is not None and i not in getattr(self, "_told", set())]
-        self._told = getattr(self, "_told", set()) | set(new)
-        return new
-
-    def finish(self, stopped, S: int) -> list[Completion]:
-        out = []
-        for i, r in enumerate(self.reqs):
-            ids = self.ids[i]
-            if self.cut[i] is not None:
-                reason = "stop"
-            else:
-                reason = "stop" if stopped[i] else "length"
-            self._stream(i, final=True)
-            text = self.text[i] if self.tok is not None else None
-            out.append(Completion(ids, text, reason, len(r.prompt_ids), len(ids),
-                                  self.lps[i] if r.logprobs is not None else None,
-                                  self.tops[i] if r.logprobs else None))
-        return out
+    def finish(self, stopped: bool) -> Completion:
+        """The completion; `stopped`: the device stopped the row on a stop token."""
+        reason = "stop" if (self.cut is not None or stopped) else "length"
+        self._send(final=True)
+        r = self.req
+        return Completion(self.ids, self.text if self.tok is not None else None, reason, len(r.prompt_ids),
+                          len(self.ids), self.lps if r.logprobs is not None else None,
+                          self.tops if r.logprobs else None)

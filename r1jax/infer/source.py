@@ -39,6 +39,21 @@ class Source:
         m = dataclasses.replace(self.cfg.model, init_from=self.init_from)
         return weights.initial(dataclasses.replace(self.cfg, model=m), mesh, None, log)
 
+    def generator(self, tokenizer=None, log=lambda s: None):
+        """A Generator over these weights on the config's mesh (a pipeline axis folds into data:
+        generation runs the model as one stage); EOS is the tokenizer's, else the config's.
+        A ConfigError when the mesh does not fit the devices."""
+        from r1jax.data import tokenizer as toklib
+        from r1jax.infer.generator import Generator
+        from r1jax.parallel import mesh as meshlib
+        cfg = self.cfg
+        mesh_cfg = cfg.mesh if cfg.mesh.pipeline == 1 else dataclasses.replace(cfg.mesh, pipeline=1, data=-1)
+        mesh = meshlib.make_mesh(mesh_cfg)
+        state = self.load(mesh, log)
+        eos = toklib.eos_id(tokenizer) if tokenizer is not None else None
+        eos = cfg.model.eos_token_id if eos is None else eos
+        return Generator(cfg.model, state, cfg.infer, mesh=mesh, kernels=cfg.kernels, eos_id=eos, tokenizer=tokenizer)
+
 
 def _tokenizer_in(*dirs: Path) -> Path | None:
     for d in dirs:

@@ -12,7 +12,7 @@ rope(wk_rope x) [R] after RoPE; nothing per head. r1jax/infer/cache.py allocates
 - `absorbed=True` (decode, and speculative verification): the new tokens' entries are written
   first, then every query attends to the cache of its row with key index <= its position, with
   W_UK folded into the query and W_UV applied after attention, so the cache is never expanded.
-  Row b of the batch is cache row b.
+  Row b of the batch is cache row b; a batch of B rows reads the cache's first B slots.
 Entries past a row's position are never read, so right-padding a prompt and rejected draft
 tokens leave nothing behind that matters.
 """
@@ -86,5 +86,8 @@ class LayerKV:
         return dataclasses.replace(self, stack=StackKV(put(s.latent, c_BTC), put(s.k_rope, kr_BTR)))
 
     def read(self) -> tuple[jax.Array, jax.Array]:
-        """This layer's latent [B, S, C] and rope key [B, S, R]."""
-        return self.stack.latent[self.layer], self.stack.k_rope[self.layer]
+        """This layer's latent [B, S, C] and rope key [B, S, R]: the first B slots (a decode step
+        over fewer rows than the cache has slots, as the serving engine runs them)."""
+        B = self.positions.shape[0]
+        c, kr = self.stack.latent[self.layer], self.stack.k_rope[self.layer]
+        return (c, kr) if c.shape[0] == B else (c[:B], kr[:B])
