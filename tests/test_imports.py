@@ -138,6 +138,6 @@ def test_dependencies_match_the_imports():
     used = _distributions(_third_party(p for p in PKG.rglob("*.py") if p not in workers))
     assert used == _declared(project["dependencies"])
     assert _distributions(_third_party(workers)) - used == _declared(extras["compare"])
-    local = {p.stem for p in (ROOT / "tests").glob("*.py")}
+    local = {p.stem for p in (ROOT / "tests").glob("*.py")} | {p.stem for p in (ROOT / "bench").glob("*.py")}
     tests = _distributions(_third_party((ROOT / "tests").glob("*.py")) - local) - used
     assert tests == _declared(extras["test"]) - {"pytest-xdist"}
