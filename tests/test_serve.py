@@ -93,7 +93,7 @@ def model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(model):
     s = Running(model, "--api-key", KEY, "--max-batch-size", "8", "--preferred-batch-sizes", "4,8",
-                "--max-model-len", "128", "--max-queue-delay-ms", "5")
+                "--max-model-len", "128", "--max-queue-delay-ms", "5", "--warmup-prompt-len", "16")
     yield s
     s.stop()
 

@@ -41,6 +41,8 @@ def main(argv=None) -> int:
                     help="prompt + completion tokens per request (default: the model's, at most 2048)")
     ap.add_argument("--max-tokens", type=int, default=None, help="the largest max_tokens a request may ask")
     ap.add_argument("--decode-steps", type=int, default=4, help="decode steps per engine call")
+    ap.add_argument("--warmup-prompt-len", type=int, default=128,
+                    help="compile prefills for prompts up to this many tokens before /health is ready")
     ap.add_argument("--speculative", action="store_true", help="MTP drafts, verified in one pass")
     ap.add_argument("--quantize", choices=["none"], default="none",
                     help="weight quantisation (int8/fp8 are not implemented yet)")
@@ -69,7 +71,8 @@ def main(argv=None) -> int:
     try:
         ecfg = EngineConfig(max_batch_size=a.max_batch_size, preferred_batch_sizes=a.preferred_batch_sizes,
                             max_queue_delay_ms=a.max_queue_delay_ms, max_queue=a.max_queue, max_model_len=max_len,
-                            decode_steps=a.decode_steps, speculative=a.speculative)
+                            decode_steps=a.decode_steps, speculative=a.speculative,
+                            warmup_prompt_len=a.warmup_prompt_len)
     except ValueError as e:
         return fail(str(e))
     if a.max_tokens is not None and a.max_tokens < 1:

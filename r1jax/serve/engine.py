@@ -43,6 +43,7 @@ class EngineConfig:
     decode_steps: int = 4                        # decode steps per call (requests join between calls)
     max_prefill_batch: int = 16                  # requests prefilled together
     speculative: bool = False                    # MTP drafts (the model needs an MTP module)
+    warmup_prompt_len: int = 128                 # prefills compiled at start for prompts up to this long
 
     def __post_init__(self):
         if self.max_batch_size < 1:
@@ -51,8 +52,10 @@ class EngineConfig:
             raise ValueError(f"preferred_batch_sizes must be >= 1: {self.preferred_batch_sizes}")
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, not {self.max_model_len}")
-        if self.decode_steps < 1 or self.max_prefill_batch < 1 or self.max_queue < 0 or self.max_queue_delay_ms < 0:
-            raise ValueError("decode_steps and max_prefill_batch must be >= 1, max_queue and max_queue_delay_ms >= 0")
+        if (self.decode_steps < 1 or self.max_prefill_batch < 1 or self.warmup_prompt_len < 1 or self.max_queue < 0
+                or self.max_queue_delay_ms < 0):
+            raise ValueError("decode_steps, max_prefill_batch and warmup_prompt_len must be >= 1, "
+                             "max_queue and max_queue_delay_ms >= 0")
 
     def buckets(self) -> list[int]:
         """Decode buckets: the preferred sizes up to max_batch_size, the powers of two below the
@@ -147,12 +150,19 @@ class Engine:
     # ------------------------------------------------------------------ engine thread
     def warmup(self) -> None:
         """Compile what steady serving runs: every decode bucket, and prefills of 1 to
-        max_prefill_batch rows at the shortest prompt bucket (longer prompts compile on first use)."""
-        pad = Request(prompt_ids=(1,), max_new_tokens=2, ignore_eos=True)
-        n = 1
-        while n <= min(self.cfg.max_prefill_batch, self.n_slots):
-            self.slots, _ = self.gen.insert(self.slots, [pad] * n, list(range(n)))
-            n *= 2
+        max_prefill_batch rows for each prompt bucket up to warmup_prompt_len (a longer prompt
+        compiles on first use: a compile inside a loaded engine stalls every running request)."""
+        longest = min(self.cfg.warmup_prompt_len, self.cfg.max_model_len - 1)
+        T = 16
+        while True:
+            pad = Request(prompt_ids=(1,) * min(T, longest), max_new_tokens=2, ignore_eos=True)
+            n = 1
+            while n <= min(self.cfg.max_prefill_batch, self.n_slots):
+                self.slots, _ = self.gen.insert(self.slots, [pad] * n, list(range(n)))
+                n *= 2
+            if T >= longest:
+                break
+            T *= 2
         self.slots = self.gen.finish(self.slots, list(range(self.n_slots)))
         for b in self.buckets:
             self.slots, *_ = self.gen.step(self.slots, b, self.cfg.decode_steps)
