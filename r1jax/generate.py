@@ -105,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--logprobs", type=int, default=None, help="also return log-probs (and N alternatives)")
     ap.add_argument("--batch-size", type=int, default=None, help="rows decoded together (infer.batch_size)")
     ap.add_argument("--speculative", action="store_true", help="draft with the MTP module, verify in one pass")
+    ap.add_argument("--quantize", default="none",
+                    help="weights: none, int8 (per output channel) or fp8 (e4m3, 128x128 blocks; DeepSeek's FP8 "
+                         "checkpoints load as they are)")
     ap.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
                     help="config overrides, e.g. infer.cache_dtype=fp32 mesh.tensor=2")
     a = ap.parse_args(argv)
@@ -117,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
         return fail("give --prompt TEXT or --input IN.jsonl (with --output OUT.jsonl)")
     if a.input is not None and not a.output:
         return fail("--input needs --output OUT.jsonl")
+    from r1jax.infer import quant
+    if a.quantize not in quant.KINDS:
+        return fail(f"--quantize {a.quantize}: allowed {', '.join(quant.KINDS)}")
     flags = {"max_new_tokens": a.max_new_tokens, "temperature": a.temperature, "top_p": a.top_p, "top_k": a.top_k,
              "min_p": a.min_p, "seed": a.seed, "stop": list(a.stop), "ignore_eos": a.ignore_eos}
     if a.logprobs is not None:
@@ -161,13 +167,15 @@ def main(argv: list[str] | None = None) -> int:
     log = lambda s: print(s, file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     try:
-        gen = src.generator(tokenizer, log)
+        gen = src.generator(tokenizer, log, quantize=a.quantize)
     except ConfigError as e:
         return fail(str(e))
     cfg = src.cfg
     requests = [_request(ids, f) for ids, f in items]
     rows, _, S = gen.shapes_for(requests[:cfg.infer.batch_size])
-    log(f"loaded {a.model} in {time.perf_counter() - t0:.1f}s; {gen.cache_line(rows, S)}")
+    wb = quant.weight_bytes(gen.params)
+    log(f"loaded {a.model} in {time.perf_counter() - t0:.1f}s; weights {wb['total'] / 2**20:.1f} MiB "
+        f"({a.quantize}, compute {cfg.infer.dtype.value}); {gen.cache_line(rows, S)}")
 
     t0 = time.perf_counter()
     if a.prompt is not None:

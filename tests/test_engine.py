@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from r1jax.infer.generator import Request, Stream
+from r1jax.infer.generator import Request
 from r1jax.serve.engine import Engine, EngineConfig, QueueFull
 
 
@@ -43,8 +43,12 @@ class FakeGen:
             first.append((self.token(r, 0), 0.0, np.zeros(0), np.zeros(0)))
         return slots, first
 
-    def step(self, slots, rows, steps, top=None):
-        self.calls.append(("step", rows, tuple(s for s in range(rows) if not slots.done[s])))
+    def step(self, slots, rows, steps, top=None, attend=None):
+        live = tuple(s for s in range(rows) if not slots.done[s])
+        # the attention length must cover every position a live row reaches in this call
+        reach = max([len(slots.req[s].prompt_ids) + slots.k[s] - 1 + steps for s in live], default=0)
+        assert attend is None or reach < attend <= slots.max_len, (reach, attend)
+        self.calls.append(("step", rows, live, attend))
         time.sleep(self.step_s)
         tokens = np.zeros((rows, steps), np.int32)
         count = np.zeros(rows, np.int32)
@@ -106,7 +110,7 @@ def test_requests_join_a_running_batch_at_step_boundaries():
     gen = FakeGen(step_s=0.01)
     e = _engine(gen)
     try:
-        long = Request((5, 6, 7), max_new_tokens=40)
+        long = Request((5, 6, 7), max_new_tokens=100)
         a = Collect()
         e.submit(long, a)
         while not any(c[0] == "step" for c in gen.calls):
@@ -129,8 +133,10 @@ def test_requests_join_a_running_batch_at_step_boundaries():
     shared = [c for c in gen.calls if c[0] == "step" and 0 in c[2] and len(c[2]) > 1]
     assert shared and all(c[1] == 4 for c in shared)
     # once they left, the long request went back to the 1-slot bucket
-    last = [c for c in gen.calls if c[0] == "step"][-1]
-    assert last[1] == 1 and last[2] == (0,)
+    steps = [c for c in gen.calls if c[0] == "step"]
+    assert steps[-1][1] == 1 and steps[-1][2] == (0,)
+    # attention grew with the furthest row: 64 positions, then 256 (of max_model_len 256: all)
+    assert steps[0][3] == 64 and steps[-1][3] is None
 
 
 def test_an_idle_engine_gathers_a_burst_for_the_queue_delay():
@@ -161,7 +167,7 @@ def test_an_idle_engine_gathers_a_burst_for_the_queue_delay():
 
 def _job(e, req, on_event):
     from r1jax.serve.engine import Job
-    return Job(req, on_event, Stream(req, None, lambda d: on_event("text", d)))
+    return Job(req, on_event)
 
 
 def test_a_full_queue_refuses_and_a_too_long_prompt_is_refused():

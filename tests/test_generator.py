@@ -164,3 +164,24 @@ def test_sharded_meshes_give_the_one_device_tokens(tiny, gen, axes):
     sharded = Generator(m, weights.onto(state, mesh), FP32, mesh=mesh, eos_id=None)
     assert sharded.batch_shards == (2 if "tensor" in axes else 8)
     assert [c.completion_ids for c in sharded.generate(reqs)] == want
+
+
+def test_slots_take_requests_anywhere_and_attend_only_as_far_as_needed(tiny, gen):
+    """The serving engine's interface: requests prefilled into scattered slots of a larger cache,
+    decoded over a bucket of the first slots, with attention cut to the first 64 positions, give
+    the tokens of a batch of their own; a request joining mid-way does not disturb them."""
+    m, _, _ = tiny
+    reqs = [Request(p, max_new_tokens=8) for p in _prompts(m, (5, 11, 3), seed=7)]
+    want = [c.completion_ids for c in gen.generate(reqs)]
+    slots = gen.new_slots(8, 256)
+    slots, first = gen.insert(slots, reqs[:2], [3, 1])
+    got = {3: [int(first[0][0])], 1: [int(first[1][0])]}
+    for call in range(5):
+        if call == 1:                                   # joins at a step boundary, in slot 0
+            slots, f = gen.insert(slots, reqs[2:], [0])
+            got[0] = [int(f[0][0])]
+        slots, em, done, _ = gen.step(slots, 4, 2, attend=64)
+        for s in got:
+            got[s] += [int(t) for t in em.tokens[s, :em.count[s]]]
+    assert [got[3], got[1], got[0]] == want
+    assert done.all()                                   # slot 2 was never filled: done from the start

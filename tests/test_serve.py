@@ -154,6 +154,11 @@ def test_openai_client_completions_and_chat_match_generate(server, client, model
     content = with_lp.choices[0].logprobs.content
     assert len(content) == 6 and all(len(t.top_logprobs) == 3 for t in content)
     assert all(t.logprob == max(a.logprob for a in t.top_logprobs) for t in content)      # greedy: the best
+    streamed = [c for c in client.chat.completions.create(
+        model=NAME, messages=msgs, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3, stream=True,
+        extra_body={"ignore_eos": True}) if c.choices and c.choices[0].logprobs]
+    # the stream's chunks carry each token's log-probs once, as the whole response has them
+    assert [t.logprob for c in streamed for t in c.choices[0].logprobs.content] == [t.logprob for t in content]
     chunks = list(client.chat.completions.create(model=NAME, messages=msgs, max_tokens=6, temperature=0, stream=True,
                                                  stream_options={"include_usage": True},
                                                  extra_body={"ignore_eos": True}))

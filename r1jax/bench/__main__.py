@@ -71,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2, help="generate: alternating rounds (best kept)")
     p.add_argument("--repeats", type=int, default=2, help="generate: timed repeats per process (best kept)")
     p.add_argument("--moe-decode", default="auto", help="generate: r1jax infer.moe_decode variants (comma-separated)")
+    p.add_argument("--quantize", default="none",
+                   help="generate: r1jax weight quantisation variants, comma-separated from none,int8,fp8")
     p.add_argument("overrides", nargs="*", help="section.key=value")
     args = p.parse_args(argv)
     try:
@@ -81,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
         bad = [d for d in dtypes if d not in {x.value for x in DType}]
         if bad:
             raise ConfigError(f"--dtypes {bad[0]}: allowed {', '.join(x.value for x in DType)}")
+        bad = [q for q in args.quantize.split(",") if q not in ("none", "int8", "fp8")]
+        if bad or not args.quantize:
+            raise ConfigError(f"--quantize {args.quantize}: give comma-separated values from none, int8, fp8")
         if args.compare and args.mode == "train":
             _check_comparable(cfg)
         cpus = sorted(os.sched_getaffinity(0))

@@ -57,6 +57,7 @@ def _r1jax_worker(spec: dict) -> dict:
     from r1jax.config import DType
     from r1jax.infer import cache as cachelib
     from r1jax.infer import source as sourcelib
+    from r1jax.infer import quant
     from r1jax.infer.generator import Generator, Request
     from r1jax.parallel import mesh as meshlib
     src = sourcelib.resolve(f"hf:{spec['hf_dir']}")
@@ -65,7 +66,8 @@ def _r1jax_worker(spec: dict) -> dict:
     if spec.get("compare", True):    # as transformers computes and caches: fp32
         infer = dataclasses.replace(infer, cache_dtype=DType.fp32, dtype=DType.fp32)
     mesh = meshlib.single_device_mesh()
-    gen = Generator(m, src.load(mesh), infer, mesh=mesh, eos_id=None)
+    q = spec.get("quantize", "none")
+    gen = Generator(m, src.load(mesh, quantize=q), infer, mesh=mesh, eos_id=None, quantize=q)
     x = prompts(m.vocab_size, spec["B"], spec["prompt_len"], spec["seed"])
     reqs = lambda n: [Request(tuple(r.tolist()), max_new_tokens=n, ignore_eos=True) for r in x]
     N, spec_on = spec["new_tokens"], spec["speculative"]
@@ -86,7 +88,8 @@ def _r1jax_worker(spec: dict) -> dict:
             "cache_bytes_per_token": cachelib.bytes_per_token(m, gen.cache_dtype),
             "cache_bytes_per_token_bf16": cachelib.bytes_per_token(m, "bfloat16"),
             "mha_bytes_per_token": cachelib.mha_bytes_per_token(m, gen.cache_dtype), "cache_len": S,
-            "moe_decode": infer.moe_decode.value, "jax": jax.__version__}
+            "moe_decode": infer.moe_decode.value, "jax": jax.__version__, "quantize": q,
+            "dtype": infer.dtype.value, "weight_bytes": quant.weight_bytes(gen.params)["total"]}
 
 
 def _bandwidth_worker(spec: dict) -> dict:
@@ -184,6 +187,7 @@ def run(args, cfg, threads: int, cpus: list[int]) -> dict:
           f"cpu pressure {cpu_pressure()}", flush=True)
     cases = [(B, args.prompt_len) for B in sizes] + ([(1, args.context)] if args.context else [])
     variants = [v for v in args.moe_decode.split(",") if v]
+    quants = [q for q in getattr(args, "quantize", "none").split(",") if q] or ["none"]
     common = {"hf_dir": str(hf_dir), "new_tokens": args.new_tokens, "repeats": args.repeats, "seed": args.seed,
               "threads": threads, "compare": bool(args.compare)}
     hf_experts = HF_EXPERTS if args.compare else ()
@@ -191,16 +195,18 @@ def run(args, cfg, threads: int, cpus: list[int]) -> dict:
     for B, P in cases:
         row = {"batch": B, "prompt_len": P, "r1jax": {}, "torch": {}}
         for rnd in range(args.rounds):
-            jobs = [("r1jax", v, False) for v in variants] + [("torch", e, False) for e in hf_experts]
+            jobs = [("r1jax", v, False, q) for v in variants for q in quants] + \
+                [("torch", e, False, "none") for e in hf_experts]
             if args.speculative:
-                jobs.append(("r1jax", variants[0], True))
+                jobs.append(("r1jax", variants[0], True, quants[0]))
             if rnd % 2:
                 jobs.reverse()
-            for side, what, spec_on in jobs:
-                key = what + ("+speculative" if spec_on else "")
+            for side, what, spec_on, q in jobs:
+                key = what + ("" if q == "none" else f"+{q}") + ("+speculative" if spec_on else "")
                 spec = {**common, "B": B, "prompt_len": P}
                 if side == "r1jax":
-                    spec.update(infer={**configlib.to_dict(cfg.infer), "moe_decode": what}, speculative=spec_on)
+                    spec.update(infer={**configlib.to_dict(cfg.infer), "moe_decode": what}, speculative=spec_on,
+                                quantize=q)
                 else:
                     spec.update(experts=what)
                 r = _spawn(side, spec, work, f"{side}_{key}_{B}_{P}_{rnd}")
@@ -214,6 +220,8 @@ def run(args, cfg, threads: int, cpus: list[int]) -> dict:
                       f"{r['decode_tok_s']:.1f} tok/s ({r['ms_per_token']:.2f} ms/token), load {os.getloadavg()[0]:.2f}",
                       flush=True)
         plain = {k: v for k, v in row["r1jax"].items() if not k.endswith("+speculative")}
+        # r1jax's own best (what transformers is compared with) among the unquantised variants
+        plain = {k: v for k, v in plain.items() if v.get("quantize", "none") == "none"} or plain
         ours_key = max(plain, key=lambda k: plain[k]["decode_tok_s"])
         row["best_r1jax"] = ours_key
         if row["torch"]:
@@ -293,6 +301,9 @@ def notes(result: dict) -> list[str]:
                    f"tokens/s ({s['speedup']:.2f}x), {s['acceptance']:.0%} of drafts accepted")
     r = next(iter(result["rows"]))["r1jax"]
     one = next(iter(r.values()))
+    if any(v.get("quantize", "none") != "none" for v in r.values()):
+        out.append("- weights resident in the generator: " + ", ".join(
+            f"{k} {v['weight_bytes'] / 2**20:.2f} MiB ({v['quantize']}, compute {v['dtype']})" for k, v in r.items()))
     out.append(f"- cache: {one['cache_bytes_per_token_bf16']:,} B per token in bf16 "
                f"({one['cache_bytes_per_token']:,} in the fp32 cache measured here); per-head K/V would take "
                f"{one['mha_bytes_per_token']:,} B per token at fp32")

@@ -7,11 +7,14 @@
 Reading assembles one r1jax leaf at a time from its HF tensors (all layers, all experts), so
 peak host memory is what the destination holds plus one leaf; converting between files never
 holds the whole model. FP8 checkpoints (DeepSeek's 128x128 block-scaled e4m3 with
-`weight_scale_inv`) are dequantised to float32 on read.
+`weight_scale_inv`) are dequantised to float32 on read, or, with `leaf_builders(fp8=True)`
+(generation's `--quantize fp8`), read as they are into r1jax/infer/quant.py's fp8 QArrays: the
+e4m3 values laid out as the r1jax leaf, the block scales with them.
 """
 from __future__ import annotations
 
 import json
+import math
 from collections import defaultdict
 from pathlib import Path
 from typing import Callable
@@ -46,14 +49,27 @@ class _Source:
     def read(self, key: str) -> np.ndarray:
         x = self.reader.read(key)
         if x.dtype in safetensors_io.FP8:
-            scale_key = key + "_scale_inv"
-            if scale_key not in self.reader:
-                raise CheckpointError(f"{key}: fp8 tensor without {scale_key}")
-            scale = self.reader.read(scale_key).astype(F32)
-            bo, bi = self.block
-            full = np.repeat(np.repeat(scale, bo, axis=0), bi, axis=1)[: x.shape[0], : x.shape[1]]
+            x, full = self._with_scales(key, x)
             return x.astype(F32) * full
         return x.astype(F32, copy=False)
+
+    def is_e4m3(self, key: str) -> bool:
+        return self.reader.dtype(key) == safetensors_io.DTYPES["F8_E4M3"]
+
+    def read_fp8(self, key: str) -> tuple[np.ndarray, np.ndarray]:
+        """(the e4m3 tensor [out, in] as stored, its scale_inv repeated to one per element)."""
+        return self._with_scales(key, self.reader.read(key))
+
+    def _with_scales(self, key: str, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        scale_key = key + "_scale_inv"
+        if scale_key not in self.reader:
+            raise CheckpointError(f"{key}: fp8 tensor without {scale_key}")
+        scale = self.reader.read(scale_key).astype(F32)
+        bo, bi = self.block
+        if x.ndim != 2 or scale.shape != (-(-x.shape[0] // bo), -(-x.shape[1] // bi)):
+            raise CheckpointError(f"{scale_key}: shape {list(scale.shape)} for a {list(x.shape)} weight in "
+                                  f"{bo}x{bi} blocks")
+        return x, np.repeat(np.repeat(scale, bo, axis=0), bi, axis=1)[: x.shape[0], : x.shape[1]]
 
 
 def read_config(directory: str | Path, source: _Source | None = None) -> ModelConfig:
@@ -73,8 +89,8 @@ def entries(cfg: ModelConfig) -> list[Entry]:
     return main_entries(cfg) + mtp_entries(cfg)
 
 
-def _leaf_builders(cfg: ModelConfig, source: _Source, shapes: dict[tuple, tuple[int, ...]]
-                   ) -> dict[tuple, Callable[[], np.ndarray]]:
+def _leaf_builders(cfg: ModelConfig, source: _Source, shapes: dict[tuple, tuple[int, ...]], fp8: bool = False,
+                   log: Callable[[str], None] = print) -> dict[tuple, Callable[[], np.ndarray]]:
     """For every r1jax leaf, a function assembling it from its HF tensors."""
     groups: dict[tuple, list[Entry]] = defaultdict(list)
     for e in entries(cfg):
@@ -113,16 +129,65 @@ def _leaf_builders(cfg: ModelConfig, source: _Source, shapes: dict[tuple, tuple[
             return leaf
         return build
 
-    return {p: builder(p, g) for p, g in groups.items()}
+    builders = {p: builder(p, g) for p, g in groups.items()}
+    if fp8:
+        from r1jax.infer import quant
+        for p, g in groups.items():
+            if p[-1] in quant.MATMULS and all(source.is_e4m3(e.key) for e in g):
+                builders[p] = _fp8_builder(p, g, shapes[p], source, builders[p], log)
+    return builders
 
 
-def leaf_builders(directory: str | Path) -> tuple[ModelConfig, dict[tuple, Callable[[], np.ndarray]]]:
+def _fp8_builder(path: tuple, group: list[Entry], shape: tuple[int, ...], source: _Source,
+                 dense: Callable[[], np.ndarray], log: Callable[[str], None]):
+    """Leaf `path` as an fp8 QArray of host arrays, straight from the checkpoint's e4m3 values
+    and block scales. HF tensor [out, in] in bo x bi blocks -> our [*in, *out] viewed as
+    [In, Out] in bi x bo blocks: each HF tensor's values and per-element scales go through the
+    entry's own layout change (transposes, heads, the fused kv_a/kv_b splits), and the scales
+    must then be constant over each of the leaf's blocks. A split that cuts through a block
+    (e.g. kv_lora_rank not a multiple of the block) breaks that: such a leaf is read
+    dequantised (`dense`) and quantised again in its own blocks by the generator."""
+    from r1jax.infer import quant
+    n_in, n_out = quant.dims(path[-1], len(shape))
+    bo, bi = source.block
+
+    def build():
+        q = scale = None
+        for e in group:
+            x, full = source.read_fp8(e.key)
+            k = e.paths.index(path)
+            qp, sp = e.split(x)[k], e.split(full)[k]
+            In, Out = math.prod(qp.shape[:n_in]), math.prod(qp.shape[n_in:])
+            s2 = sp.reshape(In, Out)
+            sub = s2[::bi, ::bo]
+            if not np.array_equal(np.repeat(np.repeat(sub, bi, axis=0), bo, axis=1)[:In, :Out], s2):
+                log(f"{e.key}: its {bo}x{bi} scale blocks do not line up with {'/'.join(map(str, path))}'s; "
+                    "read dequantised and quantised again")
+                return dense()
+            if q is None:
+                q = np.empty(shape, qp.dtype)
+                scale = np.empty(shape[:len(e.index)] + sub.shape, F32)
+            q[e.index] = qp
+            scale[e.index] = sub
+        return quant.QArray(q, scale, "fp8", n_in, n_out, (bi, bo))
+    return build
+
+
+def is_fp8(directory: str | Path) -> bool:
+    """Whether an HF directory holds e4m3 weights (DeepSeek's FP8 release format)."""
+    reader = safetensors_io.Reader(directory)
+    return any(reader.dtype(k) == safetensors_io.DTYPES["F8_E4M3"] for k in reader.keys())
+
+
+def leaf_builders(directory: str | Path, *, fp8: bool = False, log: Callable[[str], None] = print
+                  ) -> tuple[ModelConfig, dict[tuple, Callable[[], np.ndarray]]]:
     """(config, {nnx path: a function reading that leaf as a float32 host array}) of an HF
-    directory, after every check that needs only the headers: nothing is read yet."""
+    directory, after every check that needs only the headers: nothing is read yet. With `fp8`,
+    a matmul weight stored as e4m3 blocks reads as an fp8 QArray of host arrays instead."""
     source = _Source(directory)
     cfg = read_config(directory, source)
     _, abs_state = modellib.abstract(cfg)
-    return cfg, _leaf_builders(cfg, source, {p: a.shape for p, a in modellib.leaves(abs_state).items()})
+    return cfg, _leaf_builders(cfg, source, {p: a.shape for p, a in modellib.leaves(abs_state).items()}, fp8, log)
 
 
 def load(directory: str | Path, *, mesh: Mesh | None = None, kernels: KernelConfig = KernelConfig(),

@@ -83,6 +83,9 @@ class Reader:
     def shape(self, key: str) -> tuple[int, ...]:
         return self._entries[key][2]
 
+    def dtype(self, key: str) -> np.dtype:
+        return self._entries[key][3]
+
     def read(self, key: str) -> np.ndarray:
         try:
             path, offset, shape, dtype = self._entries[key]

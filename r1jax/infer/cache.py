@@ -7,6 +7,8 @@ shard like a batch (over the data axes) and nothing else is split.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
@@ -44,13 +46,20 @@ def shardings(kv: KV, mesh: Mesh) -> KV:
 
 
 def zeros(m: ModelConfig, slots: int, max_len: int, dtype, mesh: Mesh | None = None, *, mtp: bool = True,
-          unrolled: bool = False) -> KV:
-    """A zeroed cache, created in its shards when `mesh` is given."""
+          unrolled: bool = False, bits: bool = False) -> KV:
+    """A zeroed cache, created in its shards when `mesh` is given. `bits`: a 16-bit float cache
+    is stored as uint16 bit patterns with `KV.view` naming the dtype (r1jax/model/kv.py says why;
+    zero bits are 0.0)."""
+    view = None
+    if bits and jnp.dtype(dtype).itemsize == 2:
+        view, dtype = jnp.dtype(dtype).name, jnp.uint16
     abstract = shapes(m, slots, max_len, dtype, mtp=mtp, unrolled=unrolled)
     if mesh is None:
-        return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract)
-    sh = shardings(abstract, mesh)
-    return jax.jit(lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract), out_shardings=sh)()
+        kv = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract)
+    else:
+        sh = shardings(abstract, mesh)
+        kv = jax.jit(lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract), out_shardings=sh)()
+    return dataclasses.replace(kv, view=view)
 
 
 def bytes_per_token(m: ModelConfig, dtype, *, mtp: bool = False) -> int:

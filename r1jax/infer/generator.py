@@ -38,6 +38,7 @@ from jax.sharding import Mesh, NamedSharding
 from r1jax import model as modellib
 from r1jax.config import InferConfig, KernelConfig, ModelConfig, MoEDispatch
 from r1jax.infer import cache as cachelib
+from r1jax.infer import quant
 from r1jax.infer.sampling import Sampling, argmax, logprobs, sample
 from r1jax.model.kv import KV
 from r1jax.parallel import mesh as meshlib
@@ -131,7 +132,7 @@ class Generator:
 
     def __init__(self, m: ModelConfig, state: nnx.State, infer: InferConfig = InferConfig(), *,
                  mesh: Mesh | None = None, kernels: KernelConfig = KernelConfig(), eos_id: int | None = None,
-                 tokenizer=None, split_experts: bool | None = None):
+                 tokenizer=None, split_experts: bool | None = None, quantize: str = "none"):
         self.m, self.infer, self.kernels = m, infer, kernels
         self.mesh = mesh if mesh is not None else meshlib.single_device_mesh()
         self.dtype = modellib.COMPUTE_DTYPES[infer.dtype]
@@ -145,6 +146,10 @@ class Generator:
         if split_experts and ep:
             raise ValueError("split_experts: experts sharded over the expert axis stay stacked")
         self.split_experts = (not ep) if split_experts is None else split_experts
+        # matmul weights int8/fp8 (r1jax/infer/quant.py), quantised from the fp32 masters; kept
+        # quantised in memory and dequantised where a step's layer reads them
+        self.quantize = quant.check_kind(quantize)
+        state = quant.quantize_state(state, quantize)
         self.params, self._abstract_stacks = _unstacked(_in_compute_dtype(state, self.dtype), self.split_experts)
         self._steps: dict = {}
         self._graphdefs: dict = {}
@@ -171,13 +176,14 @@ class Generator:
     def _prefill_step(self, speculative: bool, top: int | None):
         return self._jit(("prefill", speculative, top), lambda: self._prefill_fn(speculative, top), (5, 6))
 
-    def _decode_step(self, rows_bucket: int, steps: int, speculative: bool, top: int | None):
-        return self._jit(("decode", rows_bucket, steps, speculative, top),
-                         lambda: self._decode_fn(rows_bucket, steps, speculative, top), (1, 2))
+    def _decode_step(self, rows_bucket: int, steps: int, speculative: bool, top: int | None,
+                     attend: int | None = None):
+        return self._jit(("decode", rows_bucket, steps, speculative, top, attend),
+                         lambda: self._decode_fn(rows_bucket, steps, speculative, top, attend), (1, 2))
 
     def _model(self, kernels: KernelConfig, params):
         """The model over (rest, per-layer states) `params`; its stacks' own leaves stay abstract."""
-        rest, layers = params
+        rest, layers = quant.for_step(params, kernels)     # QArrays dequantise where read
         return nnx.merge(self._graphdef(kernels), rest, self._abstract_stacks), layers
 
     def _prefill_fn(self, speculative: bool, top: int | None):
@@ -217,15 +223,17 @@ class Generator:
 
         return prefill
 
-    def _decode_fn(self, rows_bucket: int, steps: int, speculative: bool, top: int | None):
+    def _decode_fn(self, rows_bucket: int, steps: int, speculative: bool, top: int | None,
+                   attend: int | None = None):
         per_iter = 2 if speculative else 1
         kernels = decode_kernels(self.kernels, self.infer, self.m, rows_bucket * per_iter // self.batch_shards,
                                  self.split_experts)
 
         def decode(params, slots: Rows, kv: KV):
             """`steps` steps of the first `rows_bucket` slots (the cache keeps every slot's rows;
-            the model reads the first rows_bucket of them)."""
+            the model reads the first rows_bucket of them, and only `attend` positions when set)."""
             model, layers = self._model(kernels, params)
+            kv = dataclasses.replace(kv, attend=attend)
             rows = jax.tree.map(lambda a: a[:rows_bucket], slots)
             B = rows_bucket
             S = kv_len(kv)
@@ -277,6 +285,7 @@ class Generator:
                 return (i + 1, *body(i, rows, kv, out))
 
             _, rows, kv, out = jax.lax.while_loop(cond, step, (jnp.int32(0), rows, kv, out))
+            kv = dataclasses.replace(kv, attend=None)
             return jax.tree.map(lambda a, x: a.at[:rows_bucket].set(x), slots, rows), kv, out
 
         return decode
@@ -293,7 +302,7 @@ class Generator:
         kv = self._caches.pop(key, None)
         if kv is None:
             kv = dataclasses.replace(cachelib.zeros(self.m, n, max_len, self.cache_dtype, self.mesh,
-                                                    mtp=speculative, unrolled=True), absorbed=True)
+                                                    mtp=speculative, unrolled=True, bits=True), absorbed=True)
         rows = self._rows([], n)
         return Slots(dataclasses.replace(rows, done=self._put(np.ones(n, bool))), kv, speculative)
 
@@ -327,11 +336,15 @@ class Generator:
         n = len(reqs)
         return Slots(rows, kv, slots.speculative), list(zip(tok[:n], chosen[:n], top_ids[:n], top_lp[:n]))
 
-    def step(self, slots: "Slots", rows: int, steps: int, top: int | None = None):
+    def step(self, slots: "Slots", rows: int, steps: int, top: int | None = None, attend: int | None = None):
         """Decode the first `rows` slots (a multiple of the batch shards) for up to `steps` steps,
         stopping early once all of them are done: (slots, and on the host the Emitted tokens,
-        each of those slots' done and stopped-by-a-stop-token flags)."""
-        decode = self._decode_step(rows, steps, slots.speculative, top)
+        each of those slots' done and stopped-by-a-stop-token flags). `attend`: attention reads
+        only the cache's first `attend` positions; the caller guarantees every live row's
+        position stays below it through the steps (`attend_bucket`)."""
+        if attend is not None and attend >= slots.max_len:
+            attend = None
+        decode = self._decode_step(rows, steps, slots.speculative, top, attend)
         r, kv, out = decode(self.params, slots.rows, slots.kv)
         em, done, stopped = jax.device_get((out, r.done[:rows], r.stopped[:rows]))
         self.stats["drafted"] += int(em.drafted)
@@ -428,6 +441,15 @@ class Generator:
 
 
 # ---------------------------------------------------------------------- device helpers
+def attend_bucket(positions: int, max_len: int, lo: int = 64) -> int | None:
+    """The attention length for a decode call whose rows reach `positions` positions: a power of
+    four times `lo` (few executables per slot bucket), None when that is the whole cache."""
+    n = lo
+    while n < positions:
+        n *= 4
+    return None if n >= max_len else n
+
+
 def kv_len(kv: KV) -> int:
     return next(iter(kv.stacks.values())).shape[2]
 
@@ -516,7 +538,7 @@ def _in_compute_dtype(state: nnx.State, dtype) -> nnx.State:
     """Parameters stored in the compute dtype (a decode step reads every weight once: casting
     fp32 masters each step would read twice the bytes), the router kept in fp32 as it computes."""
     def one(path, x):
-        keep = any(str(p).startswith("router") for p in path)
+        keep = any(str(p).startswith("router") for p in path) or isinstance(x, quant.QArray)
         return x if keep or not jnp.issubdtype(x.dtype, jnp.floating) else x.astype(dtype)
     return nnx.from_flat_state([(p, v.replace(one(p, v.get_value()))) for p, v in nnx.to_flat_state(state)])
 

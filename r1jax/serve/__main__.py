@@ -44,8 +44,8 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup-prompt-len", type=int, default=128,
                     help="compile prefills for prompts up to this many tokens before /health is ready")
     ap.add_argument("--speculative", action="store_true", help="MTP drafts, verified in one pass")
-    ap.add_argument("--quantize", choices=["none"], default="none",
-                    help="weight quantisation (int8/fp8 are not implemented yet)")
+    ap.add_argument("--quantize", choices=["none", "int8", "fp8"], default="none",
+                    help="weights: int8 per output channel, fp8 e4m3 in 128x128 blocks (r1jax/infer/quant.py)")
     ap.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="config overrides (infer.*, mesh.*)")
     ap.add_argument("--log-level", default="info")
     a = ap.parse_args(argv)
@@ -85,7 +85,7 @@ def main(argv=None) -> int:
     name = a.served_model_name or a.model
     t0 = time.perf_counter()
     try:
-        gen = src.generator(tokenizer, say)
+        gen = src.generator(tokenizer, say, quantize=a.quantize)
     except ConfigError as e:
         return fail(str(e))
     from r1jax.data import chat

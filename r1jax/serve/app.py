@@ -159,6 +159,7 @@ class Server:
             return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
         done: dict[int, object] = {}
+        offsets = [0] * len(jobs)              # completions' text_offset runs on across chunks
         try:
             if parsed.chat:
                 for i in range(len(jobs)):
@@ -166,7 +167,10 @@ class Server:
             while len(done) < len(jobs):
                 i, kind, payload = await events.get()
                 if kind == "text":
-                    yield sse(protocol.chunk(parsed, rid, self.name, created, i, text=payload))
+                    lp = protocol.logprobs_block(payload.ids, payload.logprobs, payload.top_logprobs, parsed.chat,
+                                                 parsed.logprobs or 0, self.tokenizer, offsets[i])
+                    offsets[i] += len(payload.text)
+                    yield sse(protocol.chunk(parsed, rid, self.name, created, i, text=payload.text, logprobs=lp))
                 elif kind == "done":
                     done[i] = payload
                     yield sse(protocol.chunk(parsed, rid, self.name, created, i, finish=payload.finish_reason))

@@ -5,7 +5,9 @@ One engine thread owns the device state: `max_batch_size` slots of the latent ca
 1. stops the slots of cancelled requests and of requests a stop string ended;
 2. admits waiting requests into the lowest free slots, in one prefill (`Generator.insert`);
 3. runs one decode call of `decode_steps` steps over the smallest compiled bucket of slots that
-   covers every occupied slot (`Generator.step`), and hands each request its new tokens.
+   covers every occupied slot (`Generator.step`), attending over the shortest compiled length
+   (64, 256, 1024, ... positions) that the furthest row can reach in the call, and hands each
+   request its new tokens.
 Requests join at these step boundaries and leave when done; nothing waits for a whole batch.
 
 Admission follows Triton's dynamic batcher, applied to prefills only: while decodes run, the
@@ -16,7 +18,7 @@ sizes and, below the smallest, the powers of two (a step costs what its bucket c
 request on a 16-row step would pay for 16).
 
 Requests and their events cross threads: `submit` and `cancel` come from any thread (the HTTP
-server's event loop); events (`on_event(kind, payload)`: "text" with a delta, then "done" with
+server's event loop); events (`on_event(kind, payload)`: "text" with a Delta, then "done" with
 the Completion, or "error" with a message) are called from the engine thread.
 """
 from __future__ import annotations
@@ -28,7 +30,7 @@ import threading
 import time
 from typing import Callable
 
-from r1jax.infer.generator import MAX_TOP_LOGPROBS, Completion, Generator, Request, Stream
+from r1jax.infer.generator import MAX_TOP_LOGPROBS, Completion, Generator, Request, Stream, attend_bucket
 
 log = logging.getLogger("r1jax.serve")
 
@@ -69,11 +71,23 @@ class QueueFull(Exception):
     """The waiting queue is at max_queue: the client should retry later (HTTP 429)."""
 
 
+@dataclasses.dataclass
+class Delta:
+    """A piece of a request's stream: new text and the tokens produced since the previous piece
+    (with their log-probs when the request asked for them)."""
+    text: str
+    ids: list[int]
+    logprobs: list[float] | None = None
+    top_logprobs: list[dict] | None = None
+
+
 class Job:
     """A request in the engine: its completion stream, timing and slot."""
 
-    def __init__(self, req: Request, on_event: Callable[[str, object], None], stream: Stream):
-        self.req, self.on_event, self.stream = req, on_event, stream
+    def __init__(self, req: Request, on_event: Callable[[str, object], None], tokenizer=None):
+        self.req, self.on_event = req, on_event
+        self.stream = Stream(req, tokenizer, lambda text: on_event("text", self.delta(text)), req.logprobs is not None)
+        self.sent_ids = 0                        # tokens already sent with a Delta
         self.arrived = time.monotonic()
         self.started: float | None = None        # prefill began
         self.first: float | None = None          # first token on the host
@@ -81,6 +95,12 @@ class Job:
         self.slot: int | None = None
         self.cancelled = False
         self.finished = False
+
+    def delta(self, text: str) -> Delta:
+        s, i = self.stream, self.sent_ids
+        self.sent_ids = len(s.ids)
+        return Delta(text, s.ids[i:], s.lps[i:] if self.req.logprobs is not None else None,
+                     s.tops[i:] if self.req.logprobs else None)
 
 
 class Engine:
@@ -110,8 +130,7 @@ class Engine:
         if len(req.prompt_ids) + 1 > self.cfg.max_model_len:
             raise ValueError(f"the prompt has {len(req.prompt_ids)} tokens; this server's max_model_len is "
                              f"{self.cfg.max_model_len}")
-        want_lp = req.logprobs is not None
-        job = Job(req, on_event, Stream(req, self.gen.tokenizer, lambda d: on_event("text", d), want_lp))
+        job = Job(req, on_event, self.gen.tokenizer)
         with self._cv:
             if len(self.waiting) >= self.cfg.max_queue:
                 raise QueueFull(f"{len(self.waiting)} requests are waiting (max_queue {self.cfg.max_queue})")
@@ -165,7 +184,19 @@ class Engine:
             T *= 2
         self.slots = self.gen.finish(self.slots, list(range(self.n_slots)))
         for b in self.buckets:
-            self.slots, *_ = self.gen.step(self.slots, b, self.cfg.decode_steps)
+            for attend in self._attend_lengths():
+                self.slots, *_ = self.gen.step(self.slots, b, self.cfg.decode_steps, attend=attend)
+
+    def _attend_lengths(self) -> list[int | None]:
+        out, n = [], 1
+        while True:
+            a = attend_bucket(n, self.slots.max_len)
+            if a in out:
+                return out
+            out.append(a)
+            if a is None:
+                return out
+            n = a + 1
 
     def _main(self, warmup: bool) -> None:
         try:
@@ -259,7 +290,12 @@ class Engine:
         ended = [s for s, j in self.running.items() if j.stream.cut is not None]
         if ended:
             self.slots = self.gen.finish(self.slots, ended)
-        self.slots, em, done, stopped = self.gen.step(self.slots, bucket, self.cfg.decode_steps, self._top())
+        # attention reads only as far as the furthest row can reach in this call (a row's next
+        # token goes in at prompt + generated - 1; each step moves it 1, or 2 when speculating)
+        reach = max(len(j.req.prompt_ids) + len(j.stream.ids) for j in self.running.values())
+        reach += self.cfg.decode_steps * (2 if self.cfg.speculative else 1) + 1
+        attend = attend_bucket(reach, self.slots.max_len)
+        self.slots, em, done, stopped = self.gen.step(self.slots, bucket, self.cfg.decode_steps, self._top(), attend)
         self.steps += 1
         if self.metrics:
             self.metrics.iteration(int(em.count.sum()))
@@ -284,6 +320,8 @@ class Engine:
             self._count_finished(job, reason or "abort")
             return
         c: Completion = job.stream.finish(stopped)
+        if job.req.logprobs is not None and job.sent_ids < len(job.stream.ids):
+            job.on_event("text", job.delta(""))     # tokens without text (EOS): their log-probs
         self._count_finished(job, c.finish_reason, c)
         job.on_event("done", c)
 

@@ -211,23 +211,24 @@ def _token_str(tokenizer, t: int) -> str:
     return f"token_id:{t}" if tokenizer is None else tokenizer.decode([t], skip_special_tokens=False)
 
 
-def logprobs_block(c: Completion, chat: bool, top: int, tokenizer) -> dict | None:
-    if c.logprobs is None:
+def logprobs_block(ids, lps, tops, chat: bool, top: int, tokenizer, offset: int = 0) -> dict | None:
+    """Log-probs of tokens `ids` in OpenAI's chat or legacy completions shape (None without)."""
+    if lps is None:
         return None
-    tops = c.top_logprobs or [{} for _ in c.completion_ids]
+    tops = tops or [{} for _ in ids]
     best = [sorted(d.items(), key=lambda kv: -kv[1])[:top] for d in tops]
     if chat:
         def entry(t, lp):
             s = _token_str(tokenizer, t)
             return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
         return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, b) for a, b in alts]}
-                            for t, lp, alts in zip(c.completion_ids, c.logprobs, best)]}
-    strs = [_token_str(tokenizer, t) for t in c.completion_ids]
-    offsets, o = [], 0
+                            for t, lp, alts in zip(ids, lps, best)]}
+    strs = [_token_str(tokenizer, t) for t in ids]
+    offsets, o = [], offset
     for s in strs:
         offsets.append(o)
         o += len(s)
-    return {"tokens": strs, "token_logprobs": list(c.logprobs),
+    return {"tokens": strs, "token_logprobs": list(lps),
             "top_logprobs": [{_token_str(tokenizer, a): b for a, b in alts} for alts in best],
             "text_offset": offsets}
 
@@ -243,7 +244,7 @@ def response(parsed: Parsed, rid: str, name: str, completions: list[Completion],
     choices = []
     for i, c in enumerate(completions):
         text = c.completion if c.completion is not None else ""
-        lp = logprobs_block(c, parsed.chat, parsed.logprobs or 0, tokenizer)
+        lp = logprobs_block(c.completion_ids, c.logprobs, c.top_logprobs, parsed.chat, parsed.logprobs or 0, tokenizer)
         if parsed.chat:
             choice = {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp,
                       "finish_reason": c.finish_reason}
@@ -257,14 +258,15 @@ def response(parsed: Parsed, rid: str, name: str, completions: list[Completion],
 
 
 def chunk(parsed: Parsed, rid: str, name: str, created: int, index: int, *, text: str | None = None,
-          role: bool = False, finish: str | None = None) -> dict:
-    """One stream chunk for choice `index`: a text delta, the chat role opener, or the finish."""
+          role: bool = False, finish: str | None = None, logprobs: dict | None = None) -> dict:
+    """One stream chunk for choice `index`: a text delta (with its tokens' log-probs), the chat
+    role opener, or the finish."""
     if parsed.chat:
         delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
-        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         obj = "text_completion"
     out = {"id": rid, "object": obj, "created": created, "model": name, "choices": [choice]}
     if parsed.include_usage:
