@@ -13,8 +13,10 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q -e .
 	touch $@
 
+# the onnx extra and jax2onnx without its dependencies (pyproject.toml says why)
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[test,onnx]'
+	$(BIN)/pip install -q --no-deps jax2onnx==0.17.1
 	touch $@
 
 demo: $(VENV)/.installed
@@ -30,7 +32,7 @@ demo: $(VENV)/.installed
 LONGEST_FIRST := tests/test_mesh.py tests/test_multiprocess.py tests/test_train.py tests/test_slurm.py \
 	tests/test_step.py tests/test_bench.py tests/test_generate.py tests/test_checkpoint.py \
 	tests/test_attention.py tests/test_plan.py tests/test_parity.py tests/test_generator.py \
-	tests/test_plain_nnx.py tests/test_serve.py tests/test_mtp.py tests/test_generate_cli.py tests/test_convert.py
+	tests/test_plain_nnx.py tests/test_serve.py tests/test_quant.py tests/test_export.py tests/test_mtp.py tests/test_generate_cli.py tests/test_convert.py
 TEST_FILES := $(LONGEST_FIRST) $(filter-out $(LONGEST_FIRST),$(sort $(wildcard tests/test_*.py)))
 
 test: $(VENV)/.installed-test

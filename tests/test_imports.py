@@ -131,13 +131,18 @@ def _declared(specs: list[str]) -> set[str]:
 
 def test_dependencies_match_the_imports():
     """The package's imports are its dependencies (the PyTorch reference workers' are the
-    `compare` extra); the tests' other imports are the `test` extra (pytest-xdist is a plugin)."""
+    `compare` extra, the ONNX exporter's and its runner's the `onnx` extra, jax2onnx apart: it goes
+    in without its dependencies); the tests' other imports are the `test` extra (pytest-xdist is
+    a plugin)."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]
     workers = [PKG / "bench" / "torch_ref.py", PKG / "bench" / "torch_generate.py"]
-    used = _distributions(_third_party(p for p in PKG.rglob("*.py") if p not in workers))
+    onnx = [PKG / "export_onnx.py", PKG / "export_runner.py"]
+    used = _distributions(_third_party(p for p in PKG.rglob("*.py") if p not in workers + onnx))
     assert used == _declared(project["dependencies"])
     assert _distributions(_third_party(workers)) - used == _declared(extras["compare"])
+    assert _distributions(_third_party(onnx)) - used - {"jax2onnx"} == {"onnx", "onnxruntime"}
+    assert {"onnx", "onnxruntime"} <= _declared(extras["onnx"])
     local = {p.stem for p in (ROOT / "tests").glob("*.py")} | {p.stem for p in (ROOT / "bench").glob("*.py")}
-    tests = _distributions(_third_party((ROOT / "tests").glob("*.py")) - local) - used
+    tests = _distributions(_third_party((ROOT / "tests").glob("*.py")) - local) - used - _declared(extras["onnx"])
     assert tests == _declared(extras["test"]) - {"pytest-xdist"}
