@@ -6,9 +6,9 @@
 # the ragged grouped-GEMM and the fixed-capacity expert paths), printing tokens/s, MFU over the
 # device's datasheet bf16 peak and XLA's memory analysis. A config that fails (out of memory, say)
 # is reported and the script goes on to the next. Target: MFU >= 45% on the dense config. Then
-# generation on the MoE config in bf16 (decode tokens/s at batch 1 and 64), and last serving: the
-# load test at 64 clients against python -m r1jax.serve on the demo model's shapes (fresh
-# weights), batching on and off (--max-batch-size 1).
+# generation on the MoE config in bf16 (decode tokens/s at batch 1 and 64, weights unquantised,
+# int8 and fp8), and last serving: the load test at 64 clients against python -m r1jax.serve on
+# the demo model's shapes (fresh weights), batching on and off (--max-batch-size 1).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results/gpu}
@@ -41,7 +41,7 @@ run moe_gpu_ragged --config bench/configs/moe_gpu.yaml --dtypes bf16 kernels.moe
 run moe_gpu_capacity --config bench/configs/moe_gpu.yaml --dtypes bf16 kernels.moe_dispatch=capacity
 # generation: bf16 compute and cache, tokens/s at batch 1 and 64 (r1jax alone: no CUDA torch here)
 run generate_moe_gpu --config bench/configs/moe_gpu.yaml --mode generate --batch-sizes 1,64 --prompt-len 128 \
-    --new-tokens 128 --moe-decode dropless infer.dtype=bf16 infer.cache_dtype=bf16
+    --new-tokens 128 --moe-decode dropless --quantize none,int8,fp8 infer.dtype=bf16 infer.cache_dtype=bf16
 
 # serving (bench/serve_load.py needs httpx, installed above)
 echo "=== serve_demo"

@@ -170,12 +170,27 @@ def warn_if_busy(when: str, cpu: dict) -> None:
               f"(load average {cpu['loadavg_1m']}); timings are distorted", flush=True)
 
 
-async def sample_rss(pid: int, peak: list[float]) -> None:
+async def sample_rss(pid: int, peak: list[float], series: list[list[float]], every_s: float = 10.0) -> None:
+    """The peak every 0.5 s; [seconds, MiB] into `series` every `every_s` (a soak's trend)."""
+    t0 = last = time.perf_counter()
     while True:
         rss = read_rss_mib(pid)
         if rss is not None:
             peak[0] = max(peak[0], rss)
+            if not series or time.perf_counter() - last >= every_s:
+                last = time.perf_counter()
+                series.append([round(last - t0, 1), round(rss, 2)])
         await asyncio.sleep(0.5)
+
+
+def rss_halves(series: list[list[float]], after: float | None) -> tuple[float, float] | None:
+    """RSS growth (MiB) over the first and the second half of the run: a leak grows in both,
+    warm-up growth (allocator pools, caches) only in the first."""
+    pts = series + ([[float("inf"), after]] if after is not None else [])
+    if len(pts) < 3:
+        return None
+    mid = pts[len(pts) // 2][1]
+    return round(mid - pts[0][1], 2), round(pts[-1][1] - mid, 2)
 
 
 # ---------------------------------------------------------------- the load
@@ -240,8 +255,8 @@ async def run_load(cfg: LoadConfig, transport=None) -> dict:
             print(f"warm-up: {len(warm)} requests, {bad} errors, {time.perf_counter() - t:.1f} s", flush=True)
         cpu_start, rss_before = read_cpu(), read_rss_mib(cfg.server_pid)
         warn_if_busy("start", cpu_start)
-        peak = [rss_before or 0.0]
-        sampler = asyncio.create_task(sample_rss(cfg.server_pid, peak)) if cfg.server_pid else None
+        peak, series = [rss_before or 0.0], []
+        sampler = asyncio.create_task(sample_rss(cfg.server_pid, peak, series)) if cfg.server_pid else None
         t0 = time.perf_counter()
         try:
             if cfg.arrival == "closed":
@@ -256,7 +271,8 @@ async def run_load(cfg: LoadConfig, transport=None) -> dict:
     warn_if_busy("end", cpu_end)
     records.sort(key=lambda r: r["index"])
     rss = {"before": rss_before, "after": rss_after,
-           "peak": max(peak[0], rss_after or 0.0) if cfg.server_pid and rss_before is not None else None}
+           "peak": max(peak[0], rss_after or 0.0) if cfg.server_pid and rss_before is not None else None,
+           "series": series, "halves": rss_halves(series, rss_after)}
     config = {**dataclasses.asdict(cfg), "api_key": "***" if cfg.api_key else None}
     return {"config": config, "records": records, "summary": summarize(records, duration),
             "warmup_errors": sum(not r["ok"] for r in warm), "rss_mib": rss, "cpu_start": cpu_start,
@@ -318,7 +334,9 @@ def text_summary(run: dict) -> str:
     for name, key in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"), ("E2E", "e2e_ms")):
         lines.append(f"{name:<10} " + "  ".join(f"{p} {_f(v)}" for p, v in s[key].items()) + " ms")
     lines.append(f"E2E<=500ms {_f(None if s['e2e_le_500ms_frac'] is None else 100 * s['e2e_le_500ms_frac'])}% of sent")
-    lines.append(f"RSS        before {_f(rss['before'])} MiB, after {_f(rss['after'])} MiB, peak {_f(rss['peak'])} MiB")
+    lines.append(f"RSS        before {_f(rss['before'])} MiB, after {_f(rss['after'])} MiB, peak {_f(rss['peak'])} MiB"
+                 + (f"; growth first half {rss['halves'][0]:+.1f}, second half {rss['halves'][1]:+.1f} MiB"
+                    if rss.get("halves") else ""))
     lines.append(f"cpu        load average {run['cpu_start']['loadavg_1m']} -> {run['cpu_end']['loadavg_1m']}, "
                  f"PSI avg10 {run['cpu_start']['psi_cpu_avg10']} -> {run['cpu_end']['psi_cpu_avg10']}")
     lines += [f"error      {m}" for m in s["error_messages"]]

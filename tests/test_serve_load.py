@@ -166,3 +166,12 @@ def test_stream_errors(mode, message):
     cfg = sl.LoadConfig(url="http://127.0.0.1:9", clients=1, requests=2, model="m", arrival="poisson", rate=1000.0)
     s = asyncio.run(sl.run_load(cfg, transport=transport))["summary"]
     assert (s["completed"], s["errors"], s["error_messages"]) == (0, 2, [message])
+
+
+def test_rss_growth_is_split_into_halves():
+    """A soak's RSS trend: warm-up growth shows in the first half only, a leak in both."""
+    warm = [[0.0, 100.0], [10.0, 110.0], [20.0, 110.0], [30.0, 110.0]]
+    assert sl.rss_halves(warm, 110.0) == (10.0, 0.0)
+    leak = [[0.0, 100.0], [10.0, 105.0], [20.0, 110.0], [30.0, 115.0]]
+    assert sl.rss_halves(leak, 120.0) == (10.0, 10.0)
+    assert sl.rss_halves([[0.0, 1.0]], None) is None

@@ -314,7 +314,8 @@ def write(result: dict, prefix: Path) -> list[Path]:
     prefix.parent.mkdir(parents=True, exist_ok=True)
     paths = [prefix.with_suffix(".json"), prefix.with_suffix(".md"), prefix.with_suffix(".png")]
     paths[0].write_text(json.dumps(result, indent=1))
-    paths[1].write_text("\n\n".join([f"# Generation: {result['config_name']} against transformers' generate",
+    vs = " against transformers' generate" if any(row.get("torch") for row in result["rows"]) else ""
+    paths[1].write_text("\n\n".join([f"# Generation: {result['config_name']}{vs}",
                                       f"`{result['command']}` on {result['date']}.", table(result),
                                       "\n".join(notes(result)), f"![decode tokens/s]({paths[2].name})"]) + "\n")
     import matplotlib
