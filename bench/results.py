@@ -4,7 +4,8 @@
     python bench/results.py           # only reassemble RESULTS.md from bench/results/*.md (a second)
 
 `--run` runs, in this order and each in its own process: bench/data_pipeline.py, bench/remat.py,
-bench/accum.py, bench/compile_time.py, bench/moe_decode.py, bench/memory.py (the longest, ~25 minutes), then
+bench/accum.py, bench/compile_time.py, bench/moe_decode.py, bench/memory.py (the longest, ~25 minutes),
+bench/lora.py, then
 `python -m r1jax.bench --config bench/configs/{dense_small,moe_small}.yaml --compare torch` and the
 bf16 comparison of dense_small (3 steps). A benchmark that fails is reported and
 the others still run; the exit status is then 1. Each writes bench/results/NAME.md and .json
@@ -21,8 +22,9 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
-ORDER = ["bench", "generate", "moe_decode", "data_pipeline", "remat", "attention", "accum", "memory", "compile_time"]
-SCRIPTS = ["data_pipeline", "remat", "attention", "accum", "compile_time", "moe_decode", "memory"]
+ORDER = ["bench", "generate", "moe_decode", "data_pipeline", "remat", "attention", "accum", "memory", "compile_time",
+         "lora"]
+SCRIPTS = ["data_pipeline", "remat", "attention", "accum", "compile_time", "moe_decode", "memory", "lora"]
 COMPARE_CONFIGS = ["bench/configs/dense_small.yaml", "bench/configs/moe_small.yaml"]
 
 HEADER = """# r1jax benchmark results

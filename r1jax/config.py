@@ -57,6 +57,14 @@ class AttentionImpl(str, enum.Enum):
 class ObjectiveKind(str, enum.Enum):
     lm = "lm"                # next-token (+ MTP) cross-entropy on every target in a segment
     masked_lm = "masked_lm"  # the same, only on targets where batch["loss_mask"] is set
+    sft = "sft"              # masked_lm on chat records (data/sft.py): the loss on assistant tokens only
+    kd = "kd"                # logit distillation from distill.teacher on chat records' assistant tokens
+
+
+class KDLoss(str, enum.Enum):
+    forward_kl = "forward_kl"  # KL(teacher || student): mode-covering (TRL GKD's beta=0)
+    reverse_kl = "reverse_kl"  # KL(student || teacher): mode-seeking (GKD's beta=1)
+    jsd = "jsd"                # generalised Jensen-Shannon with distill.beta (GKD's form)
 
 
 class DType(str, enum.Enum):
@@ -218,6 +226,39 @@ class LossConfig:
     seq_aux_loss_alpha: float = 0.0001 # alpha of the sequence-wise MoE balance loss (0: off)
 
 
+# LoRA targets: HF DeepseekV3 module names (what PEFT's adapter_config.json names), plus three
+# groups of SwiGLU projections. q_proj stands for the query projection of a q_lora_rank=null
+# model, where HF has one q_proj instead of q_a_proj + q_b_proj.
+LORA_ATTENTION = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+LORA_TARGETS = ("q_proj", *LORA_ATTENTION, "mlp", "shared_experts", "experts")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    """Low-rank adapters (r1jax/model/lora.py): with rank > 0 only the adapters train; the base
+    weights are frozen (no gradient, no optimizer state)."""
+    rank: int = 0                      # 0: no LoRA (full fine-tuning or pre-training)
+    alpha: float = 16.0                # the update is (alpha / rank) * x A B (alpha / sqrt(rank) with rslora)
+    targets: list[str] = dataclasses.field(default_factory=lambda: list(LORA_ATTENTION))
+    dropout: float = 0.0               # on the adapter's input, training only
+    rslora: bool = False               # rank-stabilised scaling alpha / sqrt(rank)
+    base_dtype: DType = DType.fp32     # storage of the frozen base weights: fp32 or bf16
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
+
+
+@dataclasses.dataclass(frozen=True)
+class DistillConfig:
+    """Logit distillation (loss.objective=kd): a frozen teacher's token distributions as targets."""
+    teacher: Optional[str] = None      # orbax:DIR or hf:DIR, same vocabulary as the student
+    loss: KDLoss = KDLoss.forward_kl
+    temperature: float = 1.0           # both distributions softened by T; the term is scaled by T^2
+    beta: float = 0.5                  # jsd only: the mixture's teacher weight
+    alpha: float = 1.0                 # loss = alpha * T^2 * divergence + (1 - alpha) * cross-entropy
+
+
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
     """Device mesh sizes; one axis may be -1, meaning all remaining devices."""
@@ -241,6 +282,7 @@ class DataConfig:
     block_size: int = 0                # split documents into blocks of at most this many tokens (0: off)
     clean: bool = False                # NFC, \r\n -> \n, strip line ends, drop control characters
     workers: int = 0                   # Grain worker processes (mp_prefetch); 0: read in-process
+    sft_turns: str = "last"            # loss.objective=sft: train the last assistant turn, or all of them
 
 
 @dataclasses.dataclass(frozen=True)
@@ -307,6 +349,8 @@ class Config:
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
     pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)
     infer: InferConfig = dataclasses.field(default_factory=InferConfig)
+    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
+    distill: DistillConfig = dataclasses.field(default_factory=DistillConfig)
 
 
 # ----------------------------------------------------------------------------------- loading
@@ -388,6 +432,7 @@ _SECTION_TYPES = {"": Config, "model": ModelConfig, "kernels": KernelConfig, "lo
                   "mesh": MeshConfig, "data": DataConfig,
                   "optim": OptimConfig, "train": TrainConfig, "checkpoint": CheckpointConfig,
                   "distributed": DistributedConfig, "pipeline": PipelineConfig,
+                  "infer": InferConfig, "lora": LoraConfig, "distill": DistillConfig,
                   "model.rope_scaling": RopeScaling}
 
 
@@ -557,11 +602,33 @@ def validate_infer(i: InferConfig) -> None:
           "infer.moe_decode=capacity: drops tokens; decoding must be exact (auto, grouped, gather, dense, dropless, ragged or loop)")
 
 
+def validate_lora(lo: LoraConfig, m: ModelConfig) -> None:
+    if lo.rank == 0:
+        return
+    _need(lo.rank > 0, f"lora.rank={lo.rank}: must be >= 0 (0: no LoRA)")
+    _need(lo.alpha > 0, f"lora.alpha={lo.alpha}: must be > 0")
+    _need(0 <= lo.dropout < 1, f"lora.dropout={lo.dropout}: must be in [0, 1)")
+    _need(lo.base_dtype is not DType.fp16, "lora.base_dtype=fp16: must be fp32 or bf16")
+    _need(len(lo.targets) > 0, f"lora.targets: at least one of {', '.join(LORA_TARGETS)}")
+    for t in lo.targets:
+        _need(t in LORA_TARGETS, f"lora.targets: '{t}' is not a target; allowed: {', '.join(LORA_TARGETS)}")
+    if m.q_lora_rank is not None:
+        _need("q_proj" not in lo.targets, f"lora.targets: q_proj exists only with model.q_lora_rank=null "
+                                          f"(this model has q_a_proj and q_b_proj)")
+    moe_used = m.num_moe_layers > 0 or m.num_nextn_predict_layers > 0
+    _need("experts" not in lo.targets or moe_used, "lora.targets: experts needs MoE layers")
+    _need("shared_experts" not in lo.targets or (m.num_moe_layers > 0 and m.n_shared_experts > 0),
+          "lora.targets: shared_experts needs MoE layers with model.n_shared_experts > 0")
+    _need("mlp" not in lo.targets or m.first_k_dense_replace > 0,
+          "lora.targets: mlp (the dense layers' SwiGLU) needs model.first_k_dense_replace > 0")
+
+
 def validate(cfg: Config) -> None:
     m, mesh, d, o, t, c = cfg.model, cfg.mesh, cfg.data, cfg.optim, cfg.train, cfg.checkpoint
     validate_model(m)
     validate_kernels(cfg.kernels)
     validate_infer(cfg.infer)
+    validate_lora(cfg.lora, m)
     ls = cfg.loss
     _need(ls.mtp_loss_weight >= 0, f"loss.mtp_loss_weight={ls.mtp_loss_weight}: must be >= 0")
     _need(ls.seq_aux_loss_alpha >= 0, f"loss.seq_aux_loss_alpha={ls.seq_aux_loss_alpha}: must be >= 0")
@@ -599,6 +666,17 @@ def validate(cfg: Config) -> None:
     _need(d.text_field != "", "data.text_field: must name a field or column")
     _need(d.block_size >= 0, f"data.block_size={d.block_size}: must be >= 0 (0: no splitting)")
     _need(d.workers >= 0, f"data.workers={d.workers}: must be >= 0 (0: read in-process)")
+    _need(d.sft_turns in ("last", "all"), f"data.sft_turns={d.sft_turns}: must be last or all")
+    if ls.objective in (ObjectiveKind.sft, ObjectiveKind.kd):
+        _need(d.source is DataSource.jsonl, f"loss.objective={ls.objective.value}: reads chat records from JSON "
+                                            f"Lines; set data.source=jsonl (not {d.source.value}) and data.paths")
+    kd = cfg.distill
+    if ls.objective is ObjectiveKind.kd:
+        _need(kd.teacher is not None and kd.teacher.split(":", 1)[0] in ("hf", "orbax") and ":" in kd.teacher,
+              f"distill.teacher={kd.teacher}: loss.objective=kd needs the teacher as hf:PATH or orbax:PATH")
+    _need(kd.temperature > 0, f"distill.temperature={kd.temperature}: must be > 0")
+    _need(0 < kd.beta < 1, f"distill.beta={kd.beta}: must be in (0, 1) (0 and 1 are forward_kl and reverse_kl)")
+    _need(0 <= kd.alpha <= 1, f"distill.alpha={kd.alpha}: must be in [0, 1]")
     if d.tokenizer is None:
         _need(m.vocab_size >= 260, f"model.vocab_size={m.vocab_size}: a trained byte-level BPE needs "
                                    f">= 260 (256 bytes + special tokens)")

@@ -67,25 +67,30 @@ class Leaf:
     shape: tuple[int, ...]
     itemsize: int
     names: tuple[str | None, ...]
-    trainable: bool            # nnx.Param (gradients, AdamW state); False: router biases
+    trainable: bool            # nnx.Param (a weight: gradients, AdamW state); False: router biases
+    adapter: bool = False      # a LoRA adapter leaf: with LoRA only these train, the other weights are frozen
 
 
 @functools.lru_cache(maxsize=8)
-def leaves(model: configlib.ModelConfig) -> tuple[Leaf, ...]:
+def leaves(model: configlib.ModelConfig, lora: configlib.LoraConfig | None = None) -> tuple[Leaf, ...]:
     """Every variable of the model in model order (no pipeline layout), from abstract shapes."""
     from flax import nnx
 
     from r1jax import logical
     from r1jax.model import abstract
 
-    _, state = abstract(model)
+    _, state = abstract(model, lora=lora)
     out = []
     for path, var in nnx.to_flat_state(state):
         v = var.get_value()
         names = logical.names_of(var) or (None,) * len(v.shape)
         out.append(Leaf("/".join(map(str, path)), tuple(v.shape), v.dtype.itemsize, names,
-                        isinstance(var, nnx.Param)))
+                        isinstance(var, nnx.Param), isinstance(var, nnx.LoRAParam)))
     return tuple(out)
+
+
+def _lora(cfg: Config) -> configlib.LoraConfig | None:
+    return dataclasses.replace(cfg.lora, targets=tuple(cfg.lora.targets)) if cfg.lora.rank else None
 
 
 @functools.cache
@@ -126,7 +131,7 @@ def _key(mesh: dict[str, int]) -> tuple:
 
 def state_bytes(cfg: Config, mesh: dict[str, int]) -> dict[str, Any]:
     """Per-device bytes of the parameters, router biases and AdamW state, by part of the model."""
-    out = _state_bytes(cfg.model, _layout(cfg, mesh), _key(mesh))
+    out = _state_bytes(cfg.model, _layout(cfg, mesh), _key(mesh), _lora(cfg))
     # AdamW's mu + nu are counted in fp32 below; optim.moment_dtype=bf16 halves them
     opt = (out["opt"] - 8) * _moment_bytes(cfg) // F32 + 8
     return {**out, "opt": opt, "by_part": dict(out["by_part"])}
@@ -137,16 +142,18 @@ def _moment_bytes(cfg: Config) -> int:
 
 
 @functools.lru_cache(maxsize=4096)
-def _state_bytes(model: configlib.ModelConfig, layout, mesh_key: tuple) -> dict[str, Any]:
+def _state_bytes(model: configlib.ModelConfig, layout, mesh_key: tuple, lora=None) -> dict[str, Any]:
     mesh = dict(mesh_key)
     parts: dict[str, int] = {}
-    out = {"params": 0, "router_bias": 0, "largest_leaf": 0, "params_global": 0, "by_part": parts}
-    for leaf in leaves(model):
+    out = {"params": 0, "router_bias": 0, "frozen": 0, "largest_leaf": 0, "params_global": 0, "by_part": parts}
+    for leaf in leaves(model, lora):
         shape, names = leaf.shape, leaf.names
         if leaf.path.startswith("moe_layers/") and layout is not None:    # as pipeline.to_slots places it
             shape, names = (layout.slots, *shape[1:]), ("stages", *names[1:])
         n = math.prod(shard_shape(shape, names, mesh)) * leaf.itemsize
-        if leaf.trainable:
+        if lora is not None and leaf.trainable and not leaf.adapter:       # LoRA's frozen base weights
+            out["frozen"] += n * DTYPE_BYTES[lora.base_dtype] // F32
+        elif leaf.trainable:
             out["params"] += n
             out["params_global"] += math.prod(leaf.shape) * leaf.itemsize
             out["largest_leaf"] = max(out["largest_leaf"], n)
@@ -371,7 +378,7 @@ def _layer_weights(cfg: Config, mesh: dict[str, int], prefix: str, stacked: bool
 def _layer_weights_of(model: configlib.ModelConfig, mesh_key: tuple, prefix: str, stacked: bool) -> int:
     cut = 1 if stacked else 0
     return sum(math.prod(_shard_shape(l.shape[cut:], l.names[cut:], mesh_key))
-               for l in leaves(model) if l.trainable and l.path.startswith(prefix))
+               for l in leaves(model) if l.trainable and l.path.startswith(prefix))   # the base weights
 
 
 def _weights_gathered(cfg: Config, mesh: dict[str, int], prefix: str, layers: int, dt: int) -> int:
@@ -571,7 +578,7 @@ def evaluate(cfg: Config, mesh: dict[str, int], hardware: str, backend: str = "g
     t = cfg.train
     batch = 3 * (t.global_batch_size // g.batch_shards) * cfg.data.seq_len * 4    # ids, segment_ids, positions
     small = 4 + 4 + 4                                                                # step, loss scale
-    arg = st["params"] + st["opt"] + st["router_bias"] + small + batch
+    arg = st["params"] + st["opt"] + st["router_bias"] + st["frozen"] + small + batch
     act = activation_peak(cfg, mesh, st, g)
     capacity = HARDWARE_MIB[hardware] * 2**20
     usable = int(capacity * (1 - RESERVE))
@@ -579,10 +586,20 @@ def evaluate(cfg: Config, mesh: dict[str, int], hardware: str, backend: str = "g
     return {"mesh": mesh, "hardware": hardware, "backend": backend, "dispatch": g.dispatch,
             "rows_per_device": g.rows_accum, "rows_per_stage_microbatch": g.rows_stage,
             "params": st["params"], "grads": st["grads"], "opt": st["opt"], "router_bias": st["router_bias"],
+            "frozen": st["frozen"], "trainable": trainable(cfg),
             "params_by_part": st["by_part"], "batch_and_scalars": batch + small, "argument": arg,
             "activations": act, "temp": act["temp"], "total": total,
             "device_bytes": capacity, "usable_bytes": usable, "fits": total <= usable,
             "params_global": st["params_global"]}
+
+
+def trainable(cfg: Config) -> dict[str, Any]:
+    """What the optimizer trains: every weight, or with LoRA the adapters (and their share)."""
+    ls = leaves(cfg.model, _lora(cfg))
+    base = sum(math.prod(l.shape) for l in ls if l.trainable and not l.adapter)
+    adapters = sum(math.prod(l.shape) for l in ls if l.adapter)
+    n = adapters if cfg.lora.rank else base
+    return {"parameters": n, "fraction": n / base, "lora": bool(cfg.lora.rank)}
 
 
 def kv_cache(m: configlib.ModelConfig, bytes_per: int = 2) -> dict[str, int]:
@@ -674,9 +691,16 @@ def report(cfg: Config, r: dict[str, Any]) -> str:
              + f"; {r['rows_per_device']} row(s) per device per microbatch"]
     if r.get("refused"):
         lines.append(f"NOTE: r1jax refuses this mesh today ({r['refused']}); the numbers are what it would hold")
+    tr = r["trainable"]
+    if tr["lora"]:
+        lo = cfg.lora
+        lines.append(f"LoRA rank {lo.rank} on {', '.join(lo.targets)}: {tr['parameters'] / 1e6:,.1f}M trainable "
+                     f"parameters, {100 * tr['fraction']:.3f}% of the model's; the base is frozen in "
+                     f"{lo.base_dtype.value} (no gradients, no optimizer state)")
     rows = [("state (the step's donated arguments)", None),
-            ("  parameters (fp32 masters)", r["params"]),
+            ("  adapters (fp32 masters)" if tr["lora"] else "  parameters (fp32 masters)", r["params"]),
             (f"  optimizer state (AdamW mu+nu, {cfg.optim.moment_dtype.value})", r["opt"]),
+            *([(f"  frozen base weights ({cfg.lora.base_dtype.value})", r["frozen"])] if tr["lora"] else []),
             ("  router biases", r["router_bias"]),
             ("  batch rows + step scalars", r["batch_and_scalars"]),
             ("  = state", r["argument"]),

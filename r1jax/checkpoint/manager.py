@@ -25,7 +25,7 @@ import orbax.checkpoint as ocp
 from r1jax import config as configlib
 from r1jax import model as modellib
 from r1jax.checkpoint import params as ckpt_params
-from r1jax.config import ConfigError, ModelConfig
+from r1jax.config import ConfigError, LoraConfig, ModelConfig
 from r1jax.parallel.pipeline import STACK, Layout
 
 ITEMS = ("params", "opt_state", "meta", "data")
@@ -41,9 +41,10 @@ class Checkpointer:
     checkpoints and saving every `every` steps (`should_save`)."""
 
     def __init__(self, directory: str | Path, *, every: int, keep: int, model_cfg: ModelConfig,
-                 layout: Layout | None):
+                 layout: Layout | None, lora: LoraConfig | None = None):
         self.directory = Path(directory).absolute()
         self.layout, self.model_cfg = layout, model_cfg
+        self.lora = lora if lora is not None and lora.rank else None
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, enable_async_checkpointing=True,
             save_decision_policy=ocp.checkpoint_managers.FixedIntervalPolicy(every))
@@ -72,6 +73,14 @@ class Checkpointer:
         MTP depth: both fix the state's shapes)."""
         saved = ckpt_params.read_model_config(self.directory)
         configlib.check_same_architecture(self.model_cfg, saved, str(self.directory), "model")
+        saved_lora = ckpt_params.read_lora_config(self.directory)
+        # what fixes the adapters' shapes and values (dropout may change between runs)
+        here = None if self.lora is None else {**configlib.to_dict(self.lora), "dropout": None}
+        there = None if saved_lora is None else {**configlib.to_dict(saved_lora), "dropout": None}
+        if here != there:
+            raise ConfigError(f"lora: the checkpoints in {self.directory} were written with "
+                              f"{'no LoRA' if there is None else there} and this run has "
+                              f"{'no LoRA' if here is None else here}; resume with the same lora settings")
         if saved.num_nextn_predict_layers != self.model_cfg.num_nextn_predict_layers:
             raise ConfigError(f"model.num_nextn_predict_layers={self.model_cfg.num_nextn_predict_layers}: the "
                               f"checkpoints in {self.directory} hold {saved.num_nextn_predict_layers} MTP modules")
@@ -80,6 +89,8 @@ class Checkpointer:
     def write_model_config(self) -> None:
         if jax.process_index() == 0:
             ckpt_params.write_model_config(self.directory, self.model_cfg)
+            if self.lora is not None:
+                ckpt_params.write_lora_config(self.directory, self.lora)
 
     def save(self, state: dict, data_iter, *, meta: dict | None = None, force: bool = False) -> None:
         step = int(state["step"])

@@ -29,11 +29,13 @@ from orbax.checkpoint._src.serialization import type_handler_registry as ocp_reg
 from orbax.checkpoint._src.serialization import type_handlers as ocp_types
 
 from r1jax import config as configlib
-from r1jax.config import ModelConfig
+from r1jax.config import LoraConfig, ModelConfig
+from r1jax.model import lora as loralib
 from r1jax.parallel.pipeline import Layout
 
 PARAMS = "params"
 MODEL_CONFIG = "model_config.json"
+LORA_CONFIG = "lora_config.json"
 
 
 def path_key(path: tuple) -> tuple[str, ...]:
@@ -57,6 +59,19 @@ def write_model_config(directory: str | Path, cfg: ModelConfig) -> None:
     Path(directory).mkdir(parents=True, exist_ok=True)
     d = configlib.to_dict(cfg)
     (Path(directory) / MODEL_CONFIG).write_text(json.dumps({k: d[k] for k in configlib.hf_keys()}, indent=2))
+
+
+def write_lora_config(directory: str | Path, lo: LoraConfig) -> None:
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    (Path(directory) / LORA_CONFIG).write_text(json.dumps(configlib.to_dict(lo), indent=2))
+
+
+def read_lora_config(directory: str | Path) -> LoraConfig | None:
+    """The adapters' settings of a LoRA run's checkpoints; None for any other checkpoint."""
+    p = Path(directory) / LORA_CONFIG
+    if not p.is_file():
+        return None
+    return configlib.from_dict({"lora": json.loads(p.read_text())}).lora
 
 
 def read_model_config(directory: str | Path) -> ModelConfig:
@@ -184,9 +199,10 @@ def save_params_lazy(directory: str | Path, step: int, leaves: dict[tuple, LazyL
 
 # ------------------------------------------------------------------------------ reading
 class ParamsReader:
-    """Leaves of a `params` item, restored one at a time as numpy arrays."""
+    """Leaves of a `params` item, restored one at a time as numpy arrays. A LoRA run's adapted
+    weights are read merged and its adapter leaves are not listed (`merged=False`: as saved)."""
 
-    def __init__(self, directory: str | Path, step: int | None = None):
+    def __init__(self, directory: str | Path, step: int | None = None, merged: bool = True):
         self.dir = Path(directory).absolute()
         self.step = latest_step(self.dir) if step is None else step
         self.item = self.dir / str(self.step) / PARAMS
@@ -202,11 +218,17 @@ class ParamsReader:
         if self.layout is not None:
             self.shapes = {k: ((self.layout.layers, *v[1:]) if k[0] == "moe_layers" else v)
                            for k, v in self.shapes.items()}
+        self._saved = set(self.shapes)
+        self.lora = read_lora_config(self.dir)
+        self.read = self._read
+        if merged and self.lora is not None:
+            self.read = loralib.merged_getter(self._read, list(self.shapes), self.lora.scale)
+            self.shapes = {k: v for k, v in self.shapes.items() if not loralib.is_lora(k)}
 
-    def read(self, path: tuple) -> np.ndarray:
+    def _read(self, path: tuple) -> np.ndarray:
         release_memory()
         key = path_key(path)
-        if key not in self.shapes:
+        if key not in self._saved:
             raise configlib.ConfigError(f"{self.item}: has no parameter {'/'.join(key)}")
         item = nest({key: 0})
         args = nest({key: ocp.RestoreArgs(restore_type=np.ndarray)})

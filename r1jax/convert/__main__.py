@@ -1,9 +1,12 @@
-"""python -m r1jax.convert {hf-to-orbax,orbax-to-hf} SRC DST
+"""python -m r1jax.convert {hf-to-orbax,orbax-to-hf,lora-to-peft} SRC DST
 
-hf-to-orbax  an HF DeepseekV3 directory (config.json + safetensors) -> an r1jax checkpoint
-             directory (Orbax step 0, item `params`, plus model_config.json)
-orbax-to-hf  an r1jax checkpoint directory (a conversion output or a run's checkpoints/) ->
-             an HF directory that transformers.AutoModelForCausalLM.from_pretrained loads
+hf-to-orbax   an HF DeepseekV3 directory (config.json + safetensors) -> an r1jax checkpoint
+              directory (Orbax step 0, item `params`, plus model_config.json)
+orbax-to-hf   an r1jax checkpoint directory (a conversion output or a run's checkpoints/) ->
+              an HF directory that transformers.AutoModelForCausalLM.from_pretrained loads
+              (a LoRA run's adapters merged into the weights)
+lora-to-peft  a LoRA run's checkpoints/ -> a PEFT adapter directory (adapter_config.json,
+              adapter_model.safetensors) for peft.PeftModel.from_pretrained over the base model
 """
 from __future__ import annotations
 
@@ -20,10 +23,13 @@ DTYPES = {"float32": np.float32, "bfloat16": "bfloat16", "float16": np.float16}
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m r1jax.convert", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("direction", choices=["hf-to-orbax", "orbax-to-hf"])
+    ap.add_argument("direction", choices=["hf-to-orbax", "orbax-to-hf", "lora-to-peft"])
     ap.add_argument("src")
     ap.add_argument("dst")
-    ap.add_argument("--step", type=int, default=None, help="orbax-to-hf: step to convert (default latest)")
+    ap.add_argument("--step", type=int, default=None,
+                    help="orbax-to-hf, lora-to-peft: step to convert (default latest)")
+    ap.add_argument("--base", default=None,
+                    help="lora-to-peft: base_model_name_or_path to record in adapter_config.json")
     ap.add_argument("--dtype", choices=list(DTYPES), default="float32",
                     help="orbax-to-hf: dtype of the written weights (router stays float32)")
     ap.add_argument("--max-shard-gb", type=float, default=5.0, help="orbax-to-hf: safetensors shard size")
@@ -47,6 +53,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.direction == "hf-to-orbax":
             cfg = hf.hf_to_orbax(src, dst)
+        elif args.direction == "lora-to-peft":
+            from r1jax.convert import peft
+            cfg, lo, n = peft.export(src, dst, step=args.step, base=args.base)
+            print(f"lora-to-peft: {src} -> {dst} (rank {lo.rank}, {n} tensors on {', '.join(lo.targets)}) "
+                  f"in {time.time() - t0:.1f}s")
+            return 0
         else:
             import ml_dtypes
             dtype = ml_dtypes.bfloat16 if args.dtype == "bfloat16" else DTYPES[args.dtype]

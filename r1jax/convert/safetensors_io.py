@@ -113,14 +113,15 @@ def _plan_shards(specs: list[tuple[str, tuple[int, ...], np.dtype]], max_bytes: 
 
 
 def write(directory: str | Path, specs: Iterable[tuple[str, tuple[int, ...], np.dtype]],
-          produce: Callable[[str], np.ndarray], max_shard_bytes: int = 5 * 2**30) -> list[str]:
+          produce: Callable[[str], np.ndarray], max_shard_bytes: int = 5 * 2**30, single: str = SINGLE) -> list[str]:
     """Write tensors `specs` (name, shape, dtype), fetching each with `produce(name)` just in time.
 
-    Returns the file names written; more than one shard also writes the HF index file."""
+    Returns the file names written (`single` when one shard does); more than one shard also
+    writes the HF index file."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     shards = _plan_shards(list(specs), max_shard_bytes)
-    names = [SINGLE] if len(shards) == 1 else [
+    names = [single] if len(shards) == 1 else [
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     weight_map, total = {}, 0
     for fname, shard in zip(names, shards):

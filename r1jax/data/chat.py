@@ -17,6 +17,8 @@ from pathlib import Path
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 USER, ASSISTANT = "<｜User｜>", "<｜Assistant｜>"
+# R1's format's markers: a tokenizer r1jax trains for chat data keeps each one a single token
+MARKERS = (BOS, EOS, USER, ASSISTANT, "<think>", "</think>")
 ROLES = ("system", "user", "assistant")
 
 

@@ -13,17 +13,19 @@ from r1jax.config import ConfigError
 SPECIALS = ("<|bos|>", "<|eos|>", "<|pad|>")
 
 
-def train(texts: Iterable[str], vocab_size: int) -> Tokenizer:
+def train(texts: Iterable[str], vocab_size: int, extra_specials: Sequence[str] = ()) -> Tokenizer:
+    """A byte-level BPE on `texts`; `extra_specials` (e.g. R1's chat markers for SFT data) become
+    single tokens after SPECIALS, matched whole in any text encoded."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIALS),
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[*SPECIALS, *extra_specials],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(texts, trainer)
     return tok
 
 
-def train_on(docs: Sequence[str], vocab_size: int, megabytes: float) -> Tokenizer:
+def train_on(docs: Sequence[str], vocab_size: int, megabytes: float, extra_specials: Sequence[str] = ()) -> Tokenizer:
     """Train on the corpus's documents in order until `megabytes` of text (as data.tokenizer_train_mb)."""
     def texts():
         seen = 0
@@ -33,7 +35,7 @@ def train_on(docs: Sequence[str], vocab_size: int, megabytes: float) -> Tokenize
             seen += len(text)
             if seen >= megabytes * 2**20:
                 return
-    return train(texts(), vocab_size)
+    return train(texts(), vocab_size, extra_specials)
 
 
 def load(path: str | Path) -> Tokenizer:

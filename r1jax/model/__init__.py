@@ -9,16 +9,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from r1jax.config import DType, KernelConfig, ModelConfig, Remat
+from r1jax.config import DType, KernelConfig, LoraConfig, ModelConfig, Remat
 from r1jax.model.transformer import Output, Transformer
 
 COMPUTE_DTYPES = {DType.fp32: jnp.float32, DType.bf16: jnp.bfloat16, DType.fp16: jnp.float16}
 
 
 def abstract(cfg: ModelConfig, kernels: KernelConfig = KernelConfig(), dtype=jnp.float32,
-             remat: Remat = Remat.none) -> tuple[nnx.GraphDef, nnx.State]:
+             remat: Remat = Remat.none, lora: LoraConfig | None = None) -> tuple[nnx.GraphDef, nnx.State]:
     """(graphdef, state of ShapeDtypeStruct leaves with their logical names); allocates nothing."""
-    return nnx.split(nnx.eval_shape(lambda: Transformer(cfg, kernels, dtype, remat, rngs=nnx.Rngs(0))))
+    return nnx.split(nnx.eval_shape(lambda: Transformer(cfg, kernels, dtype, remat, lora, rngs=nnx.Rngs(0))))
 
 
 def leaves(state: nnx.State) -> dict[tuple, jax.Array]:

@@ -15,7 +15,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from r1jax.config import LoraConfig
 from r1jax.logical import constrain, variable
+from r1jax.model import lora as loralib
+from r1jax.model.lora import project
 
 F32 = jnp.float32
 
@@ -104,17 +107,21 @@ class Embed(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)). Used for dense layers and the shared experts."""
+    """SwiGLU: down(silu(gate(x)) * up(x)). Used for dense layers and the shared experts; with
+    `lora` naming `lora_group` (mlp or shared_experts), each projection has an adapter."""
 
-    def __init__(self, dim: int, hidden: int, std: float, dtype, *, rngs: nnx.Rngs):
+    def __init__(self, dim: int, hidden: int, std: float, dtype, lora: LoraConfig | None = None, lora_group: str | None = None, *,
+                 rngs: nnx.Rngs):
         self.gate_DF = normal_param(rngs, (dim, hidden), ("embed", "mlp"), std)
         self.up_DF = normal_param(rngs, (dim, hidden), ("embed", "mlp"), std)
         self.down_FD = normal_param(rngs, (hidden, dim), ("mlp", "embed"), std)
         self.dtype = dtype
+        D, F = [(dim, "embed")], [(hidden, "mlp")]
+        self.lora = loralib.adapters(lora, {"gate_proj": (D, {"gate_DF": F}), "up_proj": (D, {"up_DF": F}),
+                                            "down_proj": (F, {"down_FD": D})}, rngs=rngs, group=lora_group)
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
-        dt = self.dtype
-        g = checkpoint_name(dense(x_BTD, cast(self.gate_DF, dt)), "mlp_gate")      # BTD,DF->BTF
-        u = checkpoint_name(dense(x_BTD, cast(self.up_DF, dt)), "mlp_up")
+        g = checkpoint_name(project(self, x_BTD, "gate_DF", dense, cast, target="gate_proj"), "mlp_gate")  # BTD,DF->BTF
+        u = checkpoint_name(project(self, x_BTD, "up_DF", dense, cast, target="up_proj"), "mlp_up")
         h = constrain(jax.nn.silu(g) * u, "batch", "seq", "act_mlp")
-        return dense(h, cast(self.down_FD, dt))                                   # BTF,FD->BTD
+        return project(self, h, "down_FD", dense, cast, target="down_proj")       # BTF,FD->BTD

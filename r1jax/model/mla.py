@@ -29,9 +29,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from r1jax.config import AttentionImpl, KernelConfig, ModelConfig
+from r1jax.config import AttentionImpl, KernelConfig, LoraConfig, ModelConfig
 from r1jax.kernels.flash import flash_attention
 from r1jax.logical import constrain
+from r1jax.model import lora as loralib
 from r1jax.model import rope
 from r1jax.model.kv import LayerKV
 from r1jax.model.layers import dense, F32, RMSNorm, cast, const_param, normal_param
@@ -72,8 +73,27 @@ def dense_attention(q_nope_BTNK, q_rope_BTNR, k_nope_BSNK, k_rope_BSR, v_BSNV, s
     return jnp.einsum("BNTS,BSNV->BTNV", probs, v_BSNV)
 
 
+def lora_specs(cfg: ModelConfig) -> dict[str, tuple]:
+    """LoRA targets of an MLA (HF module names) -> (input dims, {r1jax weight: output dims})."""
+    D, N = cfg.hidden_size, cfg.num_attention_heads
+    K, R, V, C = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    heads = [(N, "heads"), (K + R, "qk_head")]
+    if cfg.q_lora_rank is None:
+        specs = {"q_proj": ([(D, "embed")], {"wq_DNH": heads})}
+    else:
+        Q = cfg.q_lora_rank
+        specs = {"q_a_proj": ([(D, "embed")], {"wq_a_DQ": [(Q, "q_lora")]}),
+                 "q_b_proj": ([(Q, "q_lora_in")], {"wq_b_QNH": heads})}
+    return {**specs,
+            "kv_a_proj_with_mqa": ([(D, "embed")], {"wkv_a_DC": [(C, "kv_lora")], "wk_rope_DR": [(R, "qk_rope")]}),
+            "kv_b_proj": ([(C, "kv_lora_in")], {"wk_b_CNK": [(N, "heads"), (K, "qk_nope")],
+                                                "wv_b_CNV": [(N, "heads"), (V, "v_head")]}),
+            "o_proj": ([(N, "heads"), (V, "v_head")], {"wo_NVD": [(D, "embed")]})}
+
+
 class MLA(nnx.Module):
-    def __init__(self, cfg: ModelConfig, kernels: KernelConfig, dtype, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, kernels: KernelConfig, dtype, lora: LoraConfig | None = None, *,
+                 rngs: nnx.Rngs):
         D, N = cfg.hidden_size, cfg.num_attention_heads
         K, R, V, C = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
         std = cfg.initializer_range
@@ -98,6 +118,18 @@ class MLA(nnx.Module):
             self.bk_rope_R = const_param(0.0, (R,), ("qk_rope",))
             self.bo_D = const_param(0.0, (D,), ("norm",))
         self.scale = rope.softmax_scale(cfg)
+        self.lora = loralib.adapters(lora, lora_specs(cfg), rngs=rngs)
+
+    def _dense(self, x, weight: str, target: str, n_in: int = 1):
+        return loralib.project(self, x, weight, dense, cast, n_in, target)
+
+    def _weight(self, weight: str, target: str):
+        """A weight in the compute dtype with its adapter's update merged (absorbed decode reads
+        the up-projections whole)."""
+        w = getattr(self, weight)[...]
+        if self.lora is not None and target in self.lora:
+            w = self.lora[target].merged(w, weight)
+        return w.astype(self.dtype)
 
     def _bias(self, y, name):
         return y + cast(getattr(self, name), self.dtype) if self.cfg.attention_bias else y
@@ -107,14 +139,15 @@ class MLA(nnx.Module):
         cfg, dt = self.cfg, self.dtype
         K = cfg.qk_nope_head_dim
         if cfg.q_lora_rank is None:
-            q = dense(x_BTD, cast(self.wq_DNH, dt))                                # BTD,DNH->BTNH
+            q = self._dense(x_BTD, "wq_DNH", "q_proj")                            # BTD,DNH->BTNH
         else:
-            qa = self._bias(dense(x_BTD, cast(self.wq_a_DQ, dt)), "bq_a_Q")         # BTD,DQ->BTQ
-            q = dense(self.q_norm(qa), cast(self.wq_b_QNH, dt))                    # BTQ,QNH->BTNH
+            qa = self._bias(self._dense(x_BTD, "wq_a_DQ", "q_a_proj"), "bq_a_Q")    # BTD,DQ->BTQ
+            q = self._dense(self.q_norm(qa), "wq_b_QNH", "q_b_proj")              # BTQ,QNH->BTNH
         q = constrain(q, *HEADS)
         q_nope, q_rope = q[..., :K], rope.apply(q[..., K:], cos_BTR, sin_BTR, cfg.rope_interleave)
-        c = self.kv_norm(self._bias(dense(x_BTD, cast(self.wkv_a_DC, dt)), "bkv_a_C"))      # BTD,DC->BTC
-        k_rope = rope.apply(self._bias(dense(x_BTD, cast(self.wk_rope_DR, dt)), "bk_rope_R"),  # BTD,DR->BTR
+        kv_a = "kv_a_proj_with_mqa"
+        c = self.kv_norm(self._bias(self._dense(x_BTD, "wkv_a_DC", kv_a), "bkv_a_C"))       # BTD,DC->BTC
+        k_rope = rope.apply(self._bias(self._dense(x_BTD, "wk_rope_DR", kv_a), "bk_rope_R"),  # BTD,DR->BTR
                             cos_BTR, sin_BTR, cfg.rope_interleave)
         return q_nope, q_rope, c, k_rope
 
@@ -127,16 +160,16 @@ class MLA(nnx.Module):
             kv = kv.write(c, k_rope)
         if kv is not None and kv.absorbed:
             c_BSC, kr_BSR = kv.read()
-            o = absorbed_attention(q_nope, q_rope, cast(self.wk_b_CNK, dt), cast(self.wv_b_CNV, dt),
+            o = absorbed_attention(q_nope, q_rope, self._weight("wk_b_CNK", "kv_b_proj"), self._weight("wv_b_CNV", "kv_b_proj"),
                                    c_BSC.astype(dt), kr_BSR.astype(dt), kv.positions, self.scale)
         else:
-            k_nope = constrain(dense(c, cast(self.wk_b_CNK, dt)), *HEADS)         # BTC,CNK->BTNK
-            v = constrain(dense(c, cast(self.wv_b_CNV, dt)), *HEADS)              # BTC,CNV->BTNV
+            k_nope = constrain(self._dense(c, "wk_b_CNK", "kv_b_proj"), *HEADS)  # BTC,CNK->BTNK
+            v = constrain(self._dense(c, "wv_b_CNV", "kv_b_proj"), *HEADS)       # BTC,CNV->BTNV
             if kn.attention == AttentionImpl.flash:
                 o = flash_attention(q_nope, q_rope, k_nope, k_rope, v, segment_ids_BT, self.scale, kn.attention_block)
             else:
                 o = dense_attention(q_nope, q_rope, k_nope, k_rope, v, segment_ids_BT, self.scale)
         o = constrain(o, *HEADS)
-        out = self._bias(dense(o, cast(self.wo_NVD, dt), 2), "bo_D")             # BTNV,NVD->BTD
+        out = self._bias(self._dense(o, "wo_NVD", "o_proj", 2), "bo_D")         # BTNV,NVD->BTD
         out = checkpoint_name(constrain(out, "batch", "seq", "act_embed"), "attn_out")
         return out if kv is None else (out, kv)

@@ -15,16 +15,17 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from r1jax.config import KernelConfig, ModelConfig
+from r1jax.config import KernelConfig, LoraConfig, ModelConfig
 from r1jax.kernels import dispatch, expert_parallel
 from r1jax.logical import constrain, variable
+from r1jax.model import lora as loralib
 from r1jax.model.layers import F32, MLP, RouterBias, normal_param
 
 
 def _experts(v: nnx.Variable, dtype):
     """A routed-expert weight in the compute dtype: stacked [E, ...], or (the generator's layout,
     r1jax/infer/generator.py) a tuple of E separate arrays that `grouped` reads in place."""
-    a = v.get_value()
+    a = v.get_value() if isinstance(v, nnx.Variable) else v
     return tuple(e.astype(dtype) for e in a) if isinstance(a, tuple) else a.astype(dtype)
 
 
@@ -62,7 +63,8 @@ def sequence_balance_loss(s_TE: jax.Array, idx_Tk: jax.Array, rows: int) -> jax.
 
 
 class MoE(nnx.Module):
-    def __init__(self, cfg: ModelConfig, kernels: KernelConfig, dtype, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, kernels: KernelConfig, dtype, lora: LoraConfig | None = None, *,
+                 rngs: nnx.Rngs):
         D, E, F = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
         std = cfg.initializer_range
         self.cfg, self.kernels, self.dtype = cfg, kernels, dtype
@@ -71,7 +73,23 @@ class MoE(nnx.Module):
         self.gate_EDF = normal_param(rngs, (E, D, F), ("experts", "embed", "moe_mlp"), std)
         self.up_EDF = normal_param(rngs, (E, D, F), ("experts", "embed", "moe_mlp"), std)
         self.down_EFD = normal_param(rngs, (E, F, D), ("experts", "moe_mlp", "embed"), std)
-        self.shared = MLP(D, F * cfg.n_shared_experts, std, dtype, rngs=rngs) if cfg.n_shared_experts else None
+        self.shared = (MLP(D, F * cfg.n_shared_experts, std, dtype, lora, "shared_experts", rngs=rngs)
+                       if cfg.n_shared_experts else None)
+        # routed experts' adapters: one (a, b) pair per expert and projection (PEFT's target_parameters)
+        ex = [(E, "experts")]
+        self.lora = loralib.adapters(lora, {"gate_proj": ([(D, "embed")], {"gate_EDF": [(F, "moe_mlp")]}),
+                                            "up_proj": ([(D, "embed")], {"up_EDF": [(F, "moe_mlp")]}),
+                                            "down_proj": ([(F, "moe_mlp")], {"down_EFD": [(D, "embed")]})},
+                                     rngs=rngs, group="experts", lead=ex)
+
+    def _routed(self):
+        """The routed experts' weights, with their adapters' updates merged (the dispatch kernels
+        read each expert's weights whole)."""
+        ws = (self.gate_EDF, self.up_EDF, self.down_EFD)
+        if self.lora is None:
+            return ws
+        return tuple(self.lora[t].merged(w[...], name) for t, name, w in
+                     zip(("gate_proj", "up_proj", "down_proj"), ("gate_EDF", "up_EDF", "down_EFD"), ws))
 
     def __call__(self, x_BTD: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         cfg, kn, dt = self.cfg, self.kernels, self.dtype
@@ -79,7 +97,7 @@ class MoE(nnx.Module):
         x_TD = x_BTD.reshape(B * T, D)
         w, idx, scores = route(x_TD, self.router_DE[...], self.router_bias_E[...], cfg)
         kind = dispatch.resolve(kn.moe_dispatch.value)
-        experts = tuple(_experts(v, dt) for v in (self.gate_EDF, self.up_EDF, self.down_EFD))
+        experts = tuple(_experts(v, dt) for v in self._routed())
         if isinstance(experts[0], tuple) and kind != "grouped":
             experts = tuple(jnp.stack(t) for t in experts)
         opts = dict(tile=kn.moe_tile_size, capacity_factor=kn.capacity_factor)

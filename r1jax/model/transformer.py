@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from r1jax.config import KernelConfig, ModelConfig, Remat
+from r1jax.config import KernelConfig, LoraConfig, ModelConfig, Remat
 from r1jax.logical import constrain
 from r1jax.model import rope
 from r1jax.model.layers import F32, MLP, dense, Embed, RMSNorm, cast, normal_param
@@ -53,15 +53,16 @@ class Output(NamedTuple):
 class Block(nnx.Module):
     """Pre-norm decoder layer: x + MLA(norm(x)), then + MLP/MoE(norm(.))."""
 
-    def __init__(self, cfg: ModelConfig, kernels: KernelConfig, dtype, moe: bool, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, kernels: KernelConfig, dtype, moe: bool, lora: LoraConfig | None = None,
+                 *, rngs: nnx.Rngs):
         D = cfg.hidden_size
         self.input_norm = RMSNorm(D, cfg.rms_norm_eps, dtype)
-        self.attn = MLA(cfg, kernels, dtype, rngs=rngs)
+        self.attn = MLA(cfg, kernels, dtype, lora, rngs=rngs)
         self.post_attn_norm = RMSNorm(D, cfg.rms_norm_eps, dtype)
         if moe:
-            self.mlp = MoE(cfg, kernels, dtype, rngs=rngs)
+            self.mlp = MoE(cfg, kernels, dtype, lora, rngs=rngs)
         else:
-            self.mlp = MLP(D, cfg.intermediate_size, cfg.initializer_range, dtype, rngs=rngs)
+            self.mlp = MLP(D, cfg.intermediate_size, cfg.initializer_range, dtype, lora, "mlp", rngs=rngs)
         self.is_moe = moe
 
     def __call__(self, x, cos, sin, segment_ids, kv: LayerKV | None = None):
@@ -120,11 +121,12 @@ class Stack(nnx.Module):
     `lax.scan`, always in model order. A pipeline keeps its own layout of these leaves in the
     train state (r1jax/parallel/pipeline.py); the model never sees it."""
 
-    def __init__(self, cfg: ModelConfig, kernels: KernelConfig, dtype, moe: bool, n: int, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, kernels: KernelConfig, dtype, moe: bool, n: int,
+                 lora: LoraConfig | None = None, *, rngs: nnx.Rngs):
         @nnx.split_rngs(splits=n)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
         def make(r: nnx.Rngs) -> Block:
-            return Block(cfg, kernels, dtype, moe, rngs=r)
+            return Block(cfg, kernels, dtype, moe, lora, rngs=r)
 
         self.layers = make(rngs)
 
@@ -170,16 +172,17 @@ class Transformer(nnx.Module):
     """DeepseekV3ForCausalLM plus MTP. Call: model(input_ids [B,T] int32) -> Output.
 
     `kernels` (how attention and the routed experts run), `dtype` (compute) and `remat` change
-    how the model computes, never what; the parameters are fp32 whatever they are."""
+    how the model computes, never what; the parameters are fp32 whatever they are. `lora` adds
+    adapters to the main model's layers (r1jax/model/lora.py); the MTP modules get none."""
 
     def __init__(self, cfg: ModelConfig, kernels: KernelConfig = KernelConfig(), dtype=jnp.float32,
-                 remat: Remat = Remat.none, *, rngs: nnx.Rngs):
+                 remat: Remat = Remat.none, lora: LoraConfig | None = None, *, rngs: nnx.Rngs):
         D, W, std = cfg.hidden_size, cfg.vocab_size, cfg.initializer_range
         self.cfg, self.kernels, self.dtype, self.remat = cfg, kernels, dtype, remat
         self.embed = Embed(W, D, std, dtype, rngs=rngs)
         k = cfg.first_k_dense_replace
-        self.dense_layers = Stack(cfg, kernels, dtype, False, k, rngs=rngs) if k > 0 else None
-        self.moe_layers = (Stack(cfg, kernels, dtype, True, cfg.num_moe_layers, rngs=rngs)
+        self.dense_layers = Stack(cfg, kernels, dtype, False, k, lora, rngs=rngs) if k > 0 else None
+        self.moe_layers = (Stack(cfg, kernels, dtype, True, cfg.num_moe_layers, lora, rngs=rngs)
                            if cfg.num_moe_layers > 0 else None)
         self.final_norm = RMSNorm(D, cfg.rms_norm_eps, dtype)
         self.lm_head_DW = None if cfg.tie_word_embeddings else normal_param(rngs, (D, W), ("embed", "vocab"), std)

@@ -55,6 +55,7 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("mtp_concat", None),
     ("norm", None),
     ("layers", None),
+    ("lora_rank", None),             # LoRA adapters' rank (r1jax/model/lora.py)
     ("cache_seq", None),             # the decode cache's positions (r1jax/infer/cache.py)
     ("stages", "pipeline"),          # the pipelined MoE stack's slots (see parallel/pipeline.py)
 )

@@ -29,7 +29,7 @@ from typing import Protocol
 import jax
 import jax.numpy as jnp
 
-from r1jax.config import Config, ObjectiveKind
+from r1jax.config import Config, KDLoss, ObjectiveKind
 from r1jax.model import Output
 from r1jax.train.loss import cross_entropy_sum, shifted_targets
 
@@ -88,11 +88,64 @@ class NextToken:
         return loss, n, metrics
 
 
+def divergence(student_logp: jax.Array, teacher_logp: jax.Array, kind: KDLoss, beta: float = 0.5) -> jax.Array:
+    """Per position [...]: forward KL(teacher || student), reverse KL(student || teacher), or the
+    generalised JSD_beta = beta KL(t || m) + (1 - beta) KL(s || m), m = beta t + (1 - beta) s (TRL
+    GKD's convention: beta -> 0 tends to forward KL, beta -> 1 to reverse), over log-probs [..., W]."""
+    def kl(logp, logq):                       # KL(p || q); log-softmax of finite logits is finite
+        return jnp.sum(jnp.exp(logp) * (logp - logq), axis=-1)
+    if kind is KDLoss.forward_kl:
+        return kl(teacher_logp, student_logp)
+    if kind is KDLoss.reverse_kl:
+        return kl(student_logp, teacher_logp)
+    m = jnp.logaddexp(teacher_logp + jnp.log(beta), student_logp + jnp.log1p(-beta))
+    return beta * kl(teacher_logp, m) + (1 - beta) * kl(student_logp, m)
+
+
+@dataclasses.dataclass(frozen=True)
+class LogitKD:
+    """Logit distillation: at each position whose next token is a target (SFT's loss mask), the
+    student's distribution over the vocabulary is pulled to the teacher's (batch["teacher_logits"]
+    [B, T, W], the frozen teacher's forward on the same rows):
+        L = (alpha * T^2 * sum_t D(teacher_t / T, student_t / T) + (1 - alpha) * sum_t CE_t) / N.
+    T^2 keeps the gradient's size independent of T (Hinton et al.); `kd_loss` is the divergence
+    at T (without T^2), `lm_loss` the plain cross-entropy, both per target."""
+    kind: KDLoss = KDLoss.forward_kl
+    temperature: float = 1.0
+    beta: float = 0.5
+    alpha: float = 1.0
+    balance_weight: float = 0.0
+    mtp: bool = False
+    needs: tuple[str, ...] = ("loss_mask", "teacher_logits")
+
+    def _targets(self, batch: dict):
+        targets, valid = shifted_targets(batch["ids"], batch["segment_ids"], 1)
+        return targets, valid & (jnp.roll(batch["loss_mask"], -1, axis=1) != 0)
+
+    def tokens(self, batch: dict) -> jax.Array:
+        return self._targets(batch)[1].sum().astype(F32)
+
+    def __call__(self, out: Output, batch: dict) -> tuple[jax.Array, jax.Array, Metrics]:
+        targets, valid = self._targets(batch)
+        T = self.temperature
+        s = jax.nn.log_softmax(out.logits.astype(F32) / T, axis=-1)
+        t = jax.nn.log_softmax(jax.lax.stop_gradient(batch["teacher_logits"]).astype(F32) / T, axis=-1)
+        w = valid.astype(F32)
+        kd = jnp.sum(divergence(s, t, self.kind, self.beta) * w)
+        ce, n = cross_entropy_sum(out.logits, targets, valid)
+        loss = self.alpha * T * T * kd + (1 - self.alpha) * ce
+        return loss, n, {"kd_loss": (kd, n), "lm_loss": (ce, n)}
+
+
 def make(cfg: Config) -> Objective:
     """The objective `loss.objective` names."""
     kind, ls = cfg.loss.objective, cfg.loss
-    depth = cfg.model.num_nextn_predict_layers
-    if kind in (ObjectiveKind.lm, ObjectiveKind.masked_lm):
-        return NextToken(ls.mtp_loss_weight, depth, masked=kind is ObjectiveKind.masked_lm,
+    # a zero weight runs no MTP module at all (a fine-tune of a checkpoint whose MTP is untrained)
+    depth = cfg.model.num_nextn_predict_layers if ls.mtp_loss_weight > 0 else 0
+    if kind in (ObjectiveKind.lm, ObjectiveKind.masked_lm, ObjectiveKind.sft):
+        return NextToken(ls.mtp_loss_weight, depth, masked=kind is not ObjectiveKind.lm,
                          balance_weight=ls.seq_aux_loss_alpha)
+    if kind is ObjectiveKind.kd:
+        kd = cfg.distill
+        return LogitKD(kd.loss, kd.temperature, kd.beta, kd.alpha, balance_weight=ls.seq_aux_loss_alpha)
     raise ValueError(f"loss.objective={kind}: no such objective")

@@ -65,7 +65,8 @@ def update_router_bias(rest: nnx.State, load: jax.Array, mtp_load: jax.Array | N
         load = layout.to_slots(load)
     flat = []
     for path, var in nnx.to_flat_state(rest):
-        if path[-1] == "router_bias_E":
+        if path[-1] == "router_bias_E" and (path[0] == "moe_layers" or mtp_load is not None):
+            # (an objective that does not run the MTP modules leaves their biases where they are)
             lo = load if path[0] == "moe_layers" else mtp_load[path[1]]
             var = var.replace(var.get_value() + rate * jnp.sign(lo.mean(-1, keepdims=True) - lo))
         flat.append((path, var))

@@ -26,19 +26,23 @@ and one line says so.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import psutil
+from flax import nnx
 
 from r1jax import config as configlib
 from r1jax import weights
 from r1jax.checkpoint.manager import Checkpointer
-from r1jax.config import Config, ConfigError
+from r1jax.config import Config, ConfigError, ObjectiveKind
+from r1jax.data import chat, sft
 from r1jax.data import tokenizer as toklib
 from r1jax.data.pipeline import ShardsIterator, lm_batches, saved_workers, split_documents
 from r1jax.data.sources import describe, open_corpus
@@ -53,6 +57,7 @@ from r1jax.train.step import make_eval_step, make_train_step
 
 BYTES_PER_PARAM = 8    # fp32 master + fp32 gradient, plus Adam's mu and nu in optim.moment_dtype
 LM_KEYS = ("ids", "segment_ids", "positions")      # what the text pipeline's batches hold
+SFT_KEYS = (*LM_KEYS, "loss_mask")                   # ... and the chat pipeline's (data/sft.py)
 
 
 def preflight(cfg: Config, devices: list) -> None:
@@ -71,15 +76,16 @@ def preflight(cfg: Config, devices: list) -> None:
             f"that spreads it (see README, 'Scale'), or shrink the model")
 
 
-def _tokenizer(cfg: Config, run_dir: Path, docs):
+def _tokenizer(cfg: Config, run_dir: Path, docs, extra_specials=()):
     cached = run_dir / "tokenizer.json"
-    if cfg.data.tokenizer:
-        tok = toklib.load(cfg.data.tokenizer)
+    source = _source_tokenizer(cfg)
+    if cfg.data.tokenizer or source:
+        tok = toklib.load(cfg.data.tokenizer or source)
     else:
         # process 0 trains (or finds) it; the others wait for the file rather than train their own
         if jax.process_index() == 0 and not cached.is_file():
             t0 = time.time()
-            tok = toklib.train_on(docs, cfg.model.vocab_size, cfg.data.tokenizer_train_mb)
+            tok = toklib.train_on(docs, cfg.model.vocab_size, cfg.data.tokenizer_train_mb, extra_specials)
             tok.save(str(cached))
             log_line(f"trained a byte-level BPE tokenizer ({tok.get_vocab_size()} tokens) on up to "
                      f"{cfg.data.tokenizer_train_mb:g} MB of the corpus in {time.time() - t0:.1f}s")
@@ -91,6 +97,49 @@ def _tokenizer(cfg: Config, run_dir: Path, docs):
     if jax.process_index() == 0 and not cached.is_file():
         tok.save(str(cached))
     return tok
+
+
+def _source_tokenizer(cfg: Config) -> Path | None:
+    """A fine-tune's tokenizer when data.tokenizer names none: that of the directory
+    model.init_from (else a distillation's teacher) reads: an HF directory's tokenizer.json, or
+    the run directory around an orbax: checkpoints/ directory. A model trained on other ids than
+    a fresh BPE's."""
+    kd = cfg.distill.teacher if cfg.loss.objective is ObjectiveKind.kd else None
+    for spec in (cfg.model.init_from, kd):
+        if spec:
+            d = Path(spec.split(":", 1)[1])
+            for p in (d / "tokenizer.json", d.parent / "tokenizer.json"):
+                if p.is_file():
+                    return p
+    return None
+
+
+def teacher_logits(cfg: Config, mesh) -> Callable[[dict], jax.Array]:
+    """Logit distillation's teacher (distill.teacher), frozen on the run's mesh in model order:
+    batch -> its logits [B, T, W] (float32, sharded like the batch). Its compute dtype is the
+    run's; it never runs MTP."""
+    spec = cfg.distill.teacher
+    src = weights.source_model(spec, "distill.teacher")
+    if src.vocab_size != cfg.model.vocab_size:
+        raise ConfigError(f"distill.teacher={spec}: its vocabulary has {src.vocab_size} entries and the "
+                          f"student's model.vocab_size is {cfg.model.vocab_size}; logit distillation needs the "
+                          f"same vocabulary (sequence-level distillation does not: python -m r1jax.distill)")
+    tcfg = dataclasses.replace(cfg, model=dataclasses.replace(src, init_from=spec, num_nextn_predict_layers=0),
+                               lora=configlib.LoraConfig())
+    graphdef, _ = weights.graph(tcfg)
+    state = weights.initial(tcfg, mesh, None, log=lambda s: log_line(f"teacher: {s}"))
+    n = count_params(tcfg.model)
+    log_line(f"teacher: {spec}, {n.main / 1e6:.1f}M parameters, frozen; {cfg.distill.loss.value} at T="
+             f"{cfg.distill.temperature:g}, alpha {cfg.distill.alpha:g}")
+    bs = meshlib.batch_sharding(mesh)
+
+    def forward(st, batch):
+        return nnx.merge(graphdef, st)(batch["ids"], batch["positions"], batch["segment_ids"]).logits
+
+    with meshlib.activate(mesh):
+        fn = meshlib.MeshedJit(jax.jit(forward, in_shardings=(jax.tree.map(lambda a: a.sharding, state), bs),
+                                       out_shardings=bs), mesh)
+    return lambda batch: fn(state, {k: batch[k] for k in LM_KEYS})
 
 
 # --------------------------------------------------------------------------------- data
@@ -107,26 +156,69 @@ def _check_process_rows(bsharding, batch: int) -> None:
                           f"{jax.local_device_count()} devices); each process reads its own rows")
 
 
-def _train_batches(cfg: Config, docs, indices, tok, eos, data_meta: dict):
+class Data(NamedTuple):
+    """A run's data: `batches(seed, shard, shards, rows, epochs)` is one shard's Grain dataset over
+    `train` or `eval` indices; `keys` are what its batches hold."""
+    tok: Any
+    train: list[int]
+    eval: list[int]
+    batches: Callable[..., Any]
+    keys: tuple[str, ...]
+
+
+def _lm_data(cfg: Config, run_dir: Path) -> Data:
+    """Pre-training: documents from data.source, next-token rows packed across documents."""
+    d, t = cfg.data, cfg.train
+    docs = open_corpus(d)
+    tok = _tokenizer(cfg, run_dir, docs)
+    eos = toklib.eos_id(tok)
+    split = split_documents(len(docs), d.eval_fraction, t.seed)
+    log_line(f"corpus: {describe(docs)}; {len(split.eval)} documents held out")
+
+    def batches(indices, *, seed, shard, shards, rows, epochs=None):
+        return lm_batches(docs, indices, tok, eos, seq_len=d.seq_len, batch_size=rows, seed=seed, shard_index=shard,
+                          shard_count=shards, epochs=epochs, shuffle_rows=512 if epochs is None else 0,
+                          block_size=d.block_size, workers=d.workers if epochs is None else 0)
+    return Data(tok, split.train, split.eval, batches, LM_KEYS)
+
+
+def _sft_data(cfg: Config, run_dir: Path) -> Data:
+    """SFT: chat records (data/sft.py), whole examples packed per row, the loss on the assistant's
+    tokens. The chat template is the tokenizer directory's own when it has one, else R1's."""
+    d, t = cfg.data, cfg.train
+    examples = sft.read(d.paths)
+    texts = [" ".join(m["content"] for m in ex["messages"]) for ex in examples]
+    tok = _tokenizer(cfg, run_dir, texts, chat.MARKERS)
+    where = d.tokenizer or _source_tokenizer(cfg)
+    template = chat.for_directory(None if where is None else Path(where).parent if Path(where).is_file() else Path(where))
+    split = split_documents(len(examples), d.eval_fraction, t.seed)
+    log_line(f"sft: {len(examples)} chat records from {len(d.paths)} file(s), {len(split.eval)} held out; template "
+             f"{template.name}, training {'every assistant turn' if d.sft_turns == 'all' else 'the last assistant turn'}")
+    log_line(sft.stats([examples[i] for i in split.train], tok, template, d.seq_len, turns=d.sft_turns).line())
+
+    def batches(indices, *, seed, shard, shards, rows, epochs=None):
+        return sft.sft_batches([examples[i] for i in indices], tok, template, seq_len=d.seq_len, batch_size=rows,
+                               seed=seed, shard_index=shard, shard_count=shards, epochs=epochs, turns=d.sft_turns)
+    return Data(tok, split.train, split.eval, batches, SFT_KEYS)
+
+
+def _train_batches(cfg: Config, data: Data, data_meta: dict):
     """This process's training batches: its data_shards / process_count shards side by side."""
-    t, d = cfg.train, cfg.data
+    t = cfg.train
     shards = data_meta["data_shards"]
     per = shards // jax.process_count()
     first = jax.process_index() * per
-    its = [iter(lm_batches(docs, indices, tok, eos, seq_len=d.seq_len, batch_size=t.global_batch_size // shards,
-                           seed=data_meta["data_seed"], shard_index=s, shard_count=shards,
-                           block_size=d.block_size, workers=d.workers)) for s in range(first, first + per)]
+    its = [iter(data.batches(data.train, seed=data_meta["data_seed"], shard=s, shards=shards,
+                             rows=t.global_batch_size // shards)) for s in range(first, first + per)]
     return its[0] if per == 1 else ShardsIterator(its)
 
 
-def _eval_batches(cfg: Config, docs, indices, tok, eos):
+def _eval_batches(cfg: Config, data: Data):
     """A fresh pass over this process's share of the held-out documents, whole batches only."""
-    t, d = cfg.train, cfg.data
+    t = cfg.train
     procs = jax.process_count()
     rows = t.global_batch_size // procs
-    for local in lm_batches(docs, indices, tok, eos, seq_len=d.seq_len, batch_size=rows, seed=t.seed,
-                            shard_index=jax.process_index(), shard_count=procs, epochs=1, shuffle_rows=0,
-                            block_size=d.block_size):
+    for local in data.batches(data.eval, seed=t.seed, shard=jax.process_index(), shards=procs, rows=rows, epochs=1):
         if local["ids"].shape[0] != rows:
             return
         yield local
@@ -157,6 +249,21 @@ def _data_start(cfg: Config, ckpt: Checkpointer, step: int | None) -> tuple[dict
     return {"data_seed": new_seed, "data_shards": shards}, False
 
 
+def trainable_line(cfg: Config, state: dict) -> str:
+    """What the optimizer trains, counted from the state (pipeline padding slots included)."""
+    def count(tree):
+        return sum(int(np.prod(a.shape)) for a in jax.tree.leaves(tree))
+    n_train = count(state["params"])
+    if not cfg.lora.rank:
+        return f"trainable: all {n_train / 1e6:.1f}M parameters"
+    base = sum(int(np.prod(v.get_value().shape)) for _, v in nnx.to_flat_state(state["rest"])
+               if isinstance(v, nnx.Param))
+    lo = cfg.lora
+    return (f"trainable: LoRA rank {lo.rank} (alpha {lo.alpha:g}{', rsLoRA' if lo.rslora else ''}) on "
+            f"{', '.join(lo.targets)}: {n_train:,} parameters, {100 * n_train / (n_train + base):.4f}% of "
+            f"{(n_train + base) / 1e6:.1f}M; the base is frozen in {lo.base_dtype.value}")
+
+
 # --------------------------------------------------------------------------------- run
 def train(cfg: Config, run_dir: str | Path) -> dict[str, float]:
     """Train per `cfg` in `run_dir`, resuming from its latest checkpoint. Returns final metrics."""
@@ -164,7 +271,9 @@ def train(cfg: Config, run_dir: str | Path) -> dict[str, float]:
     devices = jax.devices()
     preflight(cfg, devices)
     objective = objectives.make(cfg)
-    missing = [k for k in objective.needs if k not in LM_KEYS]
+    sft_run = cfg.loss.objective in (ObjectiveKind.sft, ObjectiveKind.kd)        # chat records
+    provided = (*SFT_KEYS, "teacher_logits") if cfg.loss.objective is ObjectiveKind.kd else SFT_KEYS if sft_run else LM_KEYS
+    missing = [k for k in objective.needs if k not in provided]
     if missing:
         raise ConfigError(f"loss.objective={cfg.loss.objective.value}: needs batches with {missing[0]}, which "
                           f"data.source={cfg.data.source.value} does not provide; use loss.objective=lm")
@@ -172,21 +281,18 @@ def train(cfg: Config, run_dir: str | Path) -> dict[str, float]:
     t, d, m = cfg.train, cfg.data, cfg.model
     layout = pipeline.mesh_layout(cfg, mesh)
     ckpt = Checkpointer(run_dir / "checkpoints", every=cfg.checkpoint.every, keep=cfg.checkpoint.keep,
-                        model_cfg=m, layout=layout)
+                        model_cfg=m, layout=layout, lora=cfg.lora)
     resume = ckpt.latest_step()
     if resume is not None:
         ckpt.check_model()          # before anything in the run directory is written
-    docs = open_corpus(d)
     if jax.process_index() == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(configlib.dump_yaml(cfg))
-    tok = _tokenizer(cfg, run_dir, docs)
-    eos = toklib.eos_id(tok)
-    split = split_documents(len(docs), d.eval_fraction, t.seed)
-    log_line(f"corpus: {describe(docs)}; {len(split.eval)} documents held out; mesh {dict(mesh.shape)}")
+    data = _sft_data(cfg, run_dir) if sft_run else _lm_data(cfg, run_dir)
+    log_line(f"mesh {dict(mesh.shape)}")
 
     data_meta, restore_data = _data_start(cfg, ckpt, resume)
-    data_iter = _train_batches(cfg, docs, split.train, tok, eos, data_meta)
+    data_iter = _train_batches(cfg, data, data_meta)
     n = count_params(m)
     log_line(f"model: {n.main / 1e6:.1f}M parameters (+{n.mtp / 1e6:.1f}M MTP), {n.activated / 1e6:.1f}M "
              f"activated per token; compute {t.dtype.value}, remat {t.remat.value}, grad_accum {t.grad_accum}")
@@ -209,19 +315,25 @@ def train(cfg: Config, run_dir: str | Path) -> dict[str, float]:
     else:
         state, shardings = statelib.create(weights.initial(cfg, mesh, layout, log=log_line), tx, cfg, mesh)
     del target
+    log_line(trainable_line(cfg, state))
     step_fn = make_train_step(graphdef, tx, cfg, mesh, shardings, objective)
     bsharding = meshlib.batch_sharding(mesh)
     _check_process_rows(bsharding, t.global_batch_size)
     ckpt.write_model_config()
 
+    teacher = teacher_logits(cfg, mesh) if cfg.loss.objective is ObjectiveKind.kd else None
+
     def place(local: dict):
-        return jax.tree.map(lambda x: jax.make_array_from_process_local_data(bsharding, x), local)
+        batch = jax.tree.map(lambda x: jax.make_array_from_process_local_data(bsharding, x), local)
+        if teacher is not None:
+            batch["teacher_logits"] = teacher(batch)
+        return batch
 
     writer = MetricsWriter(run_dir, t.steps)
     evaluator = None
-    if t.eval_batches and split.eval:
+    if t.eval_batches and data.eval:
         evaluator = loop.Evaluator(make_eval_step(graphdef, cfg, mesh, shardings, objective),
-                                   lambda: _eval_batches(cfg, docs, split.eval, tok, eos), t.eval_batches,
+                                   lambda: _eval_batches(cfg, data), t.eval_batches,
                                    place, writer)
     start = int(state["step"])
     end = min(t.steps, t.stop_at) if t.stop_at else t.steps
@@ -229,8 +341,12 @@ def train(cfg: Config, run_dir: str | Path) -> dict[str, float]:
     if jax.process_count() > 1:
         # compile first, then start together: a process that reaches a collective more than 30 s
         # before another (compile times differ) fails in gloo's context set-up
-        step_fn.lower(state, {k: jax.ShapeDtypeStruct((t.global_batch_size, d.seq_len), jnp.int32, sharding=bsharding)
-                              for k in LM_KEYS}).compile()
+        spec = {k: jax.ShapeDtypeStruct((t.global_batch_size, d.seq_len), jnp.int32, sharding=bsharding)
+                for k in data.keys}
+        if teacher is not None:
+            spec["teacher_logits"] = jax.ShapeDtypeStruct((t.global_batch_size, d.seq_len, m.vocab_size), jnp.float32,
+                                                          sharding=bsharding)
+        step_fn.lower(state, spec).compile()
         distributed.barrier("r1jax: train step compiled")
     result = loop.run(step_fn, state, data_iter, place=place, start=start, end=end, total=t.steps,
                       log_every=t.log_every, writer=writer, checkpointer=ckpt, save_meta=data_meta,
