@@ -221,7 +221,7 @@ def _hf_checkpoint(d, m):
     from r1jax.data import tokenizer as toklib
     hf_ref.hf_model(0, num_nextn_predict_layers=0).save_pretrained(d)
     texts = [f"what is {a} plus {b}? {a + b}" for a in range(30) for b in range(10)]
-    toklib.train(texts, m.vocab_size, chat.MARKERS).save(str(d / "tokenizer.json"))
+    toklib.train(texts, m.vocab_size, chat.MARKERS, chat.THINK).save(str(d / "tokenizer.json"))
     (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": STRIPPING_TEMPLATE,
                                                          "bos_token": chat.BOS, "eos_token": chat.EOS}))
 

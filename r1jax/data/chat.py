@@ -17,8 +17,11 @@ from pathlib import Path
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 USER, ASSISTANT = "<｜User｜>", "<｜Assistant｜>"
-# R1's format's markers: a tokenizer r1jax trains for chat data keeps each one a single token
-MARKERS = (BOS, EOS, USER, ASSISTANT, "<think>", "</think>")
+# R1's format's markers: a tokenizer r1jax trains for chat data keeps each one a single token.
+# The think tags are ordinary (non-special) tokens, as in DeepSeek's tokenizer: decoded text keeps
+# them, which the format and accuracy rewards read.
+MARKERS = (BOS, EOS, USER, ASSISTANT)
+THINK = ("<think>", "</think>")
 ROLES = ("system", "user", "assistant")
 
 

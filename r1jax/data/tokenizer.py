@@ -6,26 +6,32 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from r1jax.config import ConfigError
 
 SPECIALS = ("<|bos|>", "<|eos|>", "<|pad|>")
 
 
-def train(texts: Iterable[str], vocab_size: int, extra_specials: Sequence[str] = ()) -> Tokenizer:
-    """A byte-level BPE on `texts`; `extra_specials` (e.g. R1's chat markers for SFT data) become
-    single tokens after SPECIALS, matched whole in any text encoded."""
+def train(texts: Iterable[str], vocab_size: int, extra_specials: Sequence[str] = (),
+          extra_tokens: Sequence[str] = ()) -> Tokenizer:
+    """A byte-level BPE of `vocab_size` entries on `texts`. `extra_specials` (R1's chat markers for
+    SFT data) become special tokens after SPECIALS and `extra_tokens` (the think tags) ordinary
+    ones at the end: each is one token, matched whole in any text encoded; decoding drops the
+    special ones only."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[*SPECIALS, *extra_specials],
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(extra_tokens), special_tokens=[*SPECIALS, *extra_specials],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(texts, trainer)
+    if extra_tokens:
+        tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in extra_tokens])
     return tok
 
 
-def train_on(docs: Sequence[str], vocab_size: int, megabytes: float, extra_specials: Sequence[str] = ()) -> Tokenizer:
+def train_on(docs: Sequence[str], vocab_size: int, megabytes: float, extra_specials: Sequence[str] = (),
+             extra_tokens: Sequence[str] = ()) -> Tokenizer:
     """Train on the corpus's documents in order until `megabytes` of text (as data.tokenizer_train_mb)."""
     def texts():
         seen = 0
@@ -35,7 +41,7 @@ def train_on(docs: Sequence[str], vocab_size: int, megabytes: float, extra_speci
             seen += len(text)
             if seen >= megabytes * 2**20:
                 return
-    return train(texts(), vocab_size, extra_specials)
+    return train(texts(), vocab_size, extra_specials, extra_tokens)
 
 
 def load(path: str | Path) -> Tokenizer:

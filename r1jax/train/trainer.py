@@ -76,7 +76,7 @@ def preflight(cfg: Config, devices: list) -> None:
             f"that spreads it (see README, 'Scale'), or shrink the model")
 
 
-def _tokenizer(cfg: Config, run_dir: Path, docs, extra_specials=()):
+def _tokenizer(cfg: Config, run_dir: Path, docs, extra_specials=(), extra_tokens=()):
     cached = run_dir / "tokenizer.json"
     source = _source_tokenizer(cfg)
     if cfg.data.tokenizer or source:
@@ -85,7 +85,7 @@ def _tokenizer(cfg: Config, run_dir: Path, docs, extra_specials=()):
         # process 0 trains (or finds) it; the others wait for the file rather than train their own
         if jax.process_index() == 0 and not cached.is_file():
             t0 = time.time()
-            tok = toklib.train_on(docs, cfg.model.vocab_size, cfg.data.tokenizer_train_mb, extra_specials)
+            tok = toklib.train_on(docs, cfg.model.vocab_size, cfg.data.tokenizer_train_mb, extra_specials, extra_tokens)
             tok.save(str(cached))
             log_line(f"trained a byte-level BPE tokenizer ({tok.get_vocab_size()} tokens) on up to "
                      f"{cfg.data.tokenizer_train_mb:g} MB of the corpus in {time.time() - t0:.1f}s")
@@ -188,7 +188,7 @@ def _sft_data(cfg: Config, run_dir: Path) -> Data:
     d, t = cfg.data, cfg.train
     examples = sft.read(d.paths)
     texts = [" ".join(m["content"] for m in ex["messages"]) for ex in examples]
-    tok = _tokenizer(cfg, run_dir, texts, chat.MARKERS)
+    tok = _tokenizer(cfg, run_dir, texts, chat.MARKERS, chat.THINK)
     where = d.tokenizer or _source_tokenizer(cfg)
     template = chat.for_directory(None if where is None else Path(where).parent if Path(where).is_file() else Path(where))
     split = split_documents(len(examples), d.eval_fraction, t.seed)
