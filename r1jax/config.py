@@ -59,6 +59,18 @@ class ObjectiveKind(str, enum.Enum):
     masked_lm = "masked_lm"  # the same, only on targets where batch["loss_mask"] is set
     sft = "sft"              # masked_lm on chat records (data/sft.py): the loss on assistant tokens only
     kd = "kd"                # logit distillation from distill.teacher on chat records' assistant tokens
+    grpo = "grpo"            # GRPO on the generator's own rollouts (r1jax/rl/grpo.py; grpo.*)
+
+
+class LossAgg(str, enum.Enum):
+    token = "token"          # sum over every completion token of the step / their number (DAPO, TRL's bnpo)
+    sequence = "sequence"    # each completion's token mean, averaged over completions (GRPO's paper form)
+    constant = "constant"    # sum over tokens / (completions x grpo.max_new_tokens) (Dr. GRPO)
+
+
+class Advantage(str, enum.Enum):
+    std = "std"              # (r - group mean) / (group std + 1e-4), the std with ddof 1 (TRL's)
+    mean = "mean"            # r - group mean (Dr. GRPO: no division by the std)
 
 
 class KDLoss(str, enum.Enum):
@@ -260,6 +272,28 @@ class DistillConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class GRPOConfig:
+    """GRPO (loss.objective=grpo): each step samples group_size completions for each of
+    train.global_batch_size / group_size prompts with the generator on the current weights."""
+    task: str = "reverse"              # a generated task of r1jax/data/tasks.py: reverse, arithmetic, countdown
+    group_size: int = 8                # G completions per prompt
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    rewards: dict[str, float] = dataclasses.field(default_factory=lambda: {"task_partial": 1.0})
+    eval_reward: str = "task_exact"    # eval's reward_mean: this reward on held-out prompts, greedy
+    eval_prompts: int = 32
+    beta: float = 0.001                # k3 KL to the reference (the starting weights); 0: no reference
+    clip_low: float = 0.2              # ratio clipped to [1 - clip_low, 1 + clip_high] (DAPO's clip-higher: 0.28)
+    clip_high: float = 0.2
+    advantage: Advantage = Advantage.std
+    loss_agg: LossAgg = LossAgg.token
+    dynamic_sampling: bool = False     # drop groups whose rewards are all equal (their advantage is 0)
+    overlong_buffer: int = 0           # DAPO's soft overlong penalty over the last N tokens (0: off)
+    overlong_penalty: float = 1.0      # ... reaching -overlong_penalty at max_new_tokens
+
+
+@dataclasses.dataclass(frozen=True)
 class MeshConfig:
     """Device mesh sizes; one axis may be -1, meaning all remaining devices."""
     data: int = -1
@@ -351,6 +385,7 @@ class Config:
     infer: InferConfig = dataclasses.field(default_factory=InferConfig)
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
     distill: DistillConfig = dataclasses.field(default_factory=DistillConfig)
+    grpo: GRPOConfig = dataclasses.field(default_factory=GRPOConfig)
 
 
 # ----------------------------------------------------------------------------------- loading
@@ -432,7 +467,7 @@ _SECTION_TYPES = {"": Config, "model": ModelConfig, "kernels": KernelConfig, "lo
                   "mesh": MeshConfig, "data": DataConfig,
                   "optim": OptimConfig, "train": TrainConfig, "checkpoint": CheckpointConfig,
                   "distributed": DistributedConfig, "pipeline": PipelineConfig,
-                  "infer": InferConfig, "lora": LoraConfig, "distill": DistillConfig,
+                  "infer": InferConfig, "lora": LoraConfig, "distill": DistillConfig, "grpo": GRPOConfig,
                   "model.rope_scaling": RopeScaling}
 
 
@@ -677,6 +712,21 @@ def validate(cfg: Config) -> None:
     _need(kd.temperature > 0, f"distill.temperature={kd.temperature}: must be > 0")
     _need(0 < kd.beta < 1, f"distill.beta={kd.beta}: must be in (0, 1) (0 and 1 are forward_kl and reverse_kl)")
     _need(0 <= kd.alpha <= 1, f"distill.alpha={kd.alpha}: must be in [0, 1]")
+    g = cfg.grpo
+    if ls.objective is ObjectiveKind.grpo:
+        _need(g.group_size >= 2, f"grpo.group_size={g.group_size}: must be >= 2 (advantages compare a group)")
+        _need(t.global_batch_size % g.group_size == 0,
+              f"train.global_batch_size={t.global_batch_size}: must be a multiple of grpo.group_size ({g.group_size}): "
+              f"each step holds global_batch_size / group_size prompts x group_size completions")
+        _need(g.max_new_tokens >= 1, f"grpo.max_new_tokens={g.max_new_tokens}: must be >= 1")
+        _need(g.temperature > 0, f"grpo.temperature={g.temperature}: must be > 0 (rollouts sample)")
+        _need(0 < g.top_p <= 1, f"grpo.top_p={g.top_p}: must be in (0, 1]")
+        _need(g.beta >= 0, f"grpo.beta={g.beta}: must be >= 0")
+        _need(g.clip_low >= 0 and g.clip_high >= 0, "grpo.clip_low, grpo.clip_high: must be >= 0")
+        _need(0 <= g.overlong_buffer < g.max_new_tokens, f"grpo.overlong_buffer={g.overlong_buffer}: must be in "
+                                                         f"[0, grpo.max_new_tokens={g.max_new_tokens})")
+        _need(g.eval_prompts >= 0, f"grpo.eval_prompts={g.eval_prompts}: must be >= 0")
+        _need(mesh.pipeline == 1, "loss.objective=grpo: rollouts run the model as one stage; use mesh.pipeline=1")
     if d.tokenizer is None:
         _need(m.vocab_size >= 260, f"model.vocab_size={m.vocab_size}: a trained byte-level BPE needs "
                                    f">= 260 (256 bytes + special tokens)")

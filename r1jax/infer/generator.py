@@ -160,6 +160,12 @@ class Generator:
         self.batch_shards = math.prod(self.mesh.shape[a] for a in axes)
         self.stats = {"drafted": 0, "accepted": 0}
 
+    def load(self, state: nnx.State) -> None:
+        """New weights of the same shapes and shardings (GRPO's policy after each update): the
+        compiled steps take them as arguments, so nothing recompiles."""
+        state = quant.quantize_state(state, self.quantize)
+        self.params, self._abstract_stacks = _unstacked(_in_compute_dtype(state, self.dtype), self.split_experts)
+
     # ------------------------------------------------------------------ compiled steps
     def _graphdef(self, kernels: KernelConfig):
         if kernels not in self._graphdefs:

@@ -152,3 +152,22 @@ def merged_getter(get: Callable[[tuple], object], keys: Sequence[tuple], scale: 
         d = update(np.asarray(get(a_key), np.float32), np.asarray(get(b_key), np.float32), w.ndim, scale)
         return w.astype(np.float32) + d
     return read
+
+
+def merged_state(state: nnx.State, scale: float) -> nnx.State:
+    """A model state without adapters: each adapted weight replaced by W + scale * a b (fp32), on
+    device (GRPO's rollouts run the plain model on a LoRA policy's current weights)."""
+    flat = dict(nnx.to_flat_state(state))
+    by_key = {tuple(str(k) for k in p): p for p in flat}
+    ups = updates(list(by_key))
+    out = []
+    for p, var in flat.items():
+        if is_lora(p):
+            continue
+        key = tuple(str(k) for k in p)
+        if key in ups:
+            a, b = (flat[by_key[k]].get_value() for k in ups[key])
+            w = var.get_value()
+            var = var.replace(w.astype(jnp.float32) + update(a, b, w.ndim, scale))
+        out.append((p, var))
+    return nnx.from_flat_state(out)

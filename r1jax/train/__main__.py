@@ -24,7 +24,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     run_dir = Path(args.run_dir or Path("runs") / Path(args.config).stem)
 
-    from r1jax.train.trainer import train
+    if cfg.loss.objective is configlib.ObjectiveKind.grpo:
+        from r1jax.rl.grpo import train          # the RL loop: rollouts feed the same train step
+    else:
+        from r1jax.train.trainer import train
     try:
         final = train(cfg, run_dir)
     except configlib.ConfigError as e:
@@ -34,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
         msg = f"final loss {final['loss']:.4f}"
         if "eval_loss" in final:
             msg += f" (eval {final['eval_loss']:.4f}, perplexity {final['eval_perplexity']:.2f})"
+        if "eval_reward_mean" in final:
+            msg += f" (eval reward_mean {final['eval_reward_mean']:.4f})"
         print(f"{msg}\nlogs: {run_dir}/metrics.jsonl, {run_dir}/tensorboard/ "
               f"(tensorboard --logdir {run_dir}/tensorboard), {run_dir}/loss.png\n"
               f"checkpoints: {run_dir}/checkpoints/")

@@ -29,7 +29,7 @@ from typing import Protocol
 import jax
 import jax.numpy as jnp
 
-from r1jax.config import Config, KDLoss, ObjectiveKind
+from r1jax.config import Config, KDLoss, LossAgg, ObjectiveKind
 from r1jax.model import Output
 from r1jax.train.loss import cross_entropy_sum, shifted_targets
 
@@ -137,6 +137,75 @@ class LogitKD:
         return loss, n, {"kd_loss": (kd, n), "lm_loss": (ce, n)}
 
 
+def token_logp(logits_BTW: jax.Array, ids_BT: jax.Array) -> jax.Array:
+    """[B, T]: log p(ids[t+1] | ..t) at position t (fp32); the last position's is meaningless."""
+    lp = jax.nn.log_softmax(logits_BTW.astype(F32), axis=-1)
+    return jnp.take_along_axis(lp, jnp.roll(ids_BT, -1, axis=1)[..., None], axis=-1)[..., 0]
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPO:
+    """GRPO's clipped surrogate with a k3 KL to a reference (DeepSeekMath eq. 3; R1 2.2.1), per
+    completion token t of a row (one prompt + completion per row, batch["loss_mask"] on the
+    completion's tokens):
+        rho_t = exp(logp_t - old_t)         old: the rollout's log-probs (batch["old_logp"])
+        l_t   = -min(rho_t A, clip(rho_t, 1 - clip_low, 1 + clip_high) A) + beta k3_t
+        k3_t  = exp(ref_t - logp_t) - (ref_t - logp_t) - 1          (batch["ref_logp"])
+    with A the row's advantage (batch["advantages"] [B]). Log-probs are under the raw logits, as
+    the generator reports them. Per-token arrays hold token j's value at index j (where
+    loss_mask is); position t predicts token t+1. `agg` (LossAgg): `token` sums l over the
+    step's completion tokens over their number, `sequence` averages each row's token mean over
+    rows, `constant` divides the sum by rows x `max_new_tokens` (Dr. GRPO)."""
+    beta: float = 0.001
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    agg: LossAgg = LossAgg.token
+    max_new_tokens: int = 1
+    balance_weight: float = 0.0
+    mtp: bool = False
+
+    @property
+    def needs(self) -> tuple[str, ...]:
+        return ("loss_mask", "advantages", "old_logp") + (("ref_logp",) if self.beta else ())
+
+    def _valid(self, batch: dict) -> jax.Array:
+        _, valid = shifted_targets(batch["ids"], batch["segment_ids"], 1)
+        return valid & (jnp.roll(batch["loss_mask"], -1, axis=1) != 0)
+
+    def tokens(self, batch: dict) -> jax.Array:
+        w = self._valid(batch)
+        if self.agg is LossAgg.token:
+            return w.sum().astype(F32)
+        rows = jnp.any(w, axis=1).sum().astype(F32)
+        return rows if self.agg is LossAgg.sequence else w.shape[0] * jnp.float32(self.max_new_tokens)
+
+    def __call__(self, out: Output, batch: dict) -> tuple[jax.Array, jax.Array, Metrics]:
+        valid = self._valid(batch)
+        w = valid.astype(F32)
+        n_tok = w.sum()
+        logp = token_logp(out.logits, batch["ids"])
+        old = jnp.roll(batch["old_logp"].astype(F32), -1, axis=1)
+        adv = batch["advantages"].astype(F32)[:, None]
+        ratio = jnp.exp(logp - old)
+        clipped = jnp.clip(ratio, 1 - self.clip_low, 1 + self.clip_high)
+        per = -jnp.minimum(ratio * adv, clipped * adv)
+        metrics: Metrics = {}
+        if self.beta:
+            d = jnp.roll(batch["ref_logp"].astype(F32), -1, axis=1) - logp
+            k3 = jnp.exp(d) - d - 1
+            per = per + self.beta * k3
+            metrics["kl"] = (jnp.sum(k3 * w), n_tok)
+        if self.agg is LossAgg.sequence:
+            loss = jnp.sum(jnp.sum(per * w, axis=1) / jnp.maximum(w.sum(axis=1), 1.0))
+        else:
+            loss = jnp.sum(per * w)
+        low = (ratio < 1 - self.clip_low) & (adv < 0)       # where the clip holds the update back
+        high = (ratio > 1 + self.clip_high) & (adv > 0)
+        metrics.update(clip_low_frac=(jnp.sum(low * w), n_tok), clip_high_frac=(jnp.sum(high * w), n_tok),
+                       ratio_drift=(jnp.sum(jnp.abs(ratio - 1) * w), n_tok), lm_loss=(-jnp.sum(logp * w), n_tok))
+        return loss, self.tokens(batch), metrics
+
+
 def make(cfg: Config) -> Objective:
     """The objective `loss.objective` names."""
     kind, ls = cfg.loss.objective, cfg.loss
@@ -145,6 +214,9 @@ def make(cfg: Config) -> Objective:
     if kind in (ObjectiveKind.lm, ObjectiveKind.masked_lm, ObjectiveKind.sft):
         return NextToken(ls.mtp_loss_weight, depth, masked=kind is not ObjectiveKind.lm,
                          balance_weight=ls.seq_aux_loss_alpha)
+    if kind is ObjectiveKind.grpo:
+        g = cfg.grpo
+        return GRPO(g.beta, g.clip_low, g.clip_high, g.loss_agg, g.max_new_tokens, balance_weight=ls.seq_aux_loss_alpha)
     if kind is ObjectiveKind.kd:
         kd = cfg.distill
         return LogitKD(kd.loss, kd.temperature, kd.beta, kd.alpha, balance_weight=ls.seq_aux_loss_alpha)

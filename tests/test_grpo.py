@@ -1,0 +1,175 @@
+"""GRPO (r1jax/rl/grpo.py, train/objectives.GRPO): group advantages and DAPO's overlong penalty by
+hand; the loss against TRL's GRPOTrainer formulas (per-token clipped surrogate, k3 KL, and its
+grpo / bnpo / dr_grpo aggregations, which are r1jax's sequence / token / constant) on rows of
+prompts and completions of unequal lengths; a single-token bandit learned through the real
+rollouts (the generator on the current weights) within 50 steps; and whole runs: an eval record
+before the first update, the metrics the issue names, and 8 fake devices equal to 1."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from r1jax import config as configlib
+from r1jax.checkpoint import params as ckpt
+from r1jax.config import Advantage, LossAgg
+from r1jax.model import Output
+from r1jax.rl import grpo
+from r1jax.train.objectives import GRPO
+from runs import TINY
+
+
+def test_advantages_and_overlong_penalty_by_hand():
+    r = np.array([[1.0, 0.0, 0.0, 1.0], [0.5, 0.5, 0.5, 0.5]])
+    std = np.std([1, 0, 0, 1], ddof=1)                         # 0.5774
+    np.testing.assert_allclose(grpo.advantages(r)[0], np.array([0.5, -0.5, -0.5, 0.5]) / (std + 1e-4), rtol=1e-6)
+    np.testing.assert_array_equal(grpo.advantages(r)[1], 0.0)  # equal rewards: no signal
+    np.testing.assert_allclose(grpo.advantages(r, Advantage.mean)[0], [0.5, -0.5, -0.5, 0.5])
+    np.testing.assert_allclose(grpo.overlong(np.array([4, 6, 8, 10]), 10, 4, 1.0), [0, 0, -0.5, -1.0])
+    np.testing.assert_array_equal(grpo.overlong(np.array([10]), 10, 0, 1.0), [0.0])
+
+
+def _log_softmax(x):
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def _trl_loss(logp, old, ref, adv, mask, beta, lo, hi, loss_type, max_len):
+    """TRL GRPOTrainer._compute_loss (token-level importance sampling), on [B, C] completion arrays."""
+    coef = np.exp(logp - old)
+    l1, l2 = coef * adv[:, None], np.clip(coef, 1 - lo, 1 + hi) * adv[:, None]
+    per = -np.minimum(l1, l2)
+    if beta:
+        per = per + beta * (np.exp(ref - logp) - (ref - logp) - 1)
+    if loss_type == "grpo":
+        return ((per * mask).sum(-1) / np.maximum(mask.sum(-1), 1)).mean()
+    if loss_type == "bnpo":
+        return (per * mask).sum() / max(mask.sum(), 1)
+    return (per * mask).sum() / (mask.shape[0] * max_len)          # dr_grpo
+
+
+@pytest.mark.parametrize("agg,loss_type", [(LossAgg.sequence, "grpo"), (LossAgg.token, "bnpo"),
+                                           (LossAgg.constant, "dr_grpo")])
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_loss_equals_trl_formulas(agg, loss_type, beta):
+    rng = np.random.default_rng(0)
+    B, T, W, C = 4, 12, 11, 6                     # C: max completion length
+    prompt_len, comp_len = [3, 5, 2, 4], [6, 2, 4, 5]
+    ids = rng.integers(0, W, (B, T)).astype(np.int32)
+    seg, mask = np.zeros((B, T), np.int32), np.zeros((B, T), np.int32)
+    for b in range(B):
+        seg[b, :prompt_len[b] + comp_len[b]] = 1
+        mask[b, prompt_len[b]:prompt_len[b] + comp_len[b]] = 1
+    logits = rng.normal(size=(B, T, W)) * 2
+    lp = _log_softmax(logits)
+    # token j's log-prob under the policy is lp[j - 1, ids[j]]
+    tok_lp = np.zeros((B, T))
+    tok_lp[:, 1:] = np.take_along_axis(lp[:, :-1], ids[:, 1:, None], -1)[..., 0]
+    old = tok_lp + rng.normal(size=(B, T)) * 0.3 * mask           # a drifted rollout policy: clipping acts
+    ref = tok_lp + rng.normal(size=(B, T)) * 0.2 * mask
+    adv = rng.normal(size=B).astype(np.float32)
+    obj = GRPO(beta, 0.2, 0.28, agg, C)
+    batch = {"ids": ids, "segment_ids": seg, "positions": np.zeros_like(ids), "loss_mask": mask,
+             "advantages": adv, "old_logp": old.astype(np.float32), "ref_logp": ref.astype(np.float32)}
+    loss_sum, n, metrics = obj(Output(jnp.asarray(logits, jnp.float32), None, {}), batch)
+    got = float(loss_sum) / float(n)
+    assert float(n) == float(obj.tokens(batch))
+    # the TRL side: [B, C] completion arrays, right-padded
+    cm = np.zeros((B, C))
+    c_lp, c_old, c_ref = np.zeros((B, C)), np.zeros((B, C)), np.zeros((B, C))
+    for b in range(B):
+        s, k = prompt_len[b], comp_len[b]
+        cm[b, :k] = 1
+        c_lp[b, :k], c_old[b, :k], c_ref[b, :k] = tok_lp[b, s:s + k], old[b, s:s + k], ref[b, s:s + k]
+    want = _trl_loss(c_lp, c_old, c_ref, adv, cm, beta, 0.2, 0.28, loss_type, C)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert 0 < float(metrics["clip_low_frac"][0]) + float(metrics["clip_high_frac"][0])   # the drift clips some
+
+
+def _bandit(tmp_path, steps=50):
+    """A constant prompt; reward 1 when the one sampled token is the target token."""
+    from r1jax.data import chat
+    from r1jax.data import tokenizer as toklib
+    from r1jax.infer.generator import Generator
+    from r1jax.parallel import mesh as meshlib
+    from r1jax.rl import rewards
+    from r1jax.train.objectives import make
+    from r1jax.train.step import build, make_train_step
+
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    # a 32-entry vocabulary: the target starts at about 1/32 of the draws (grpo.md's bandit)
+    words = ["<|bos|>", "<|eos|>", "<|pad|>", "[UNK]", *"abcdefghijklmnop", "pick"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens([AddedToken(t, special=True) for t in (*words[:3], *chat.MARKERS)])
+    tok.add_tokens([AddedToken(t, special=False) for t in chat.THINK])
+    cfg = configlib.load(TINY, ["loss.objective=grpo", "grpo.group_size=8", "train.global_batch_size=32",
+                                "grpo.max_new_tokens=1", "grpo.beta=0", "data.seq_len=32", "optim.lr=3e-3",
+                                "optim.warmup_ratio=0", "train.steps=200", "mesh.data=1", "loss.mtp_loss_weight=0",
+                                "optim.bias_update_rate=0", "model.vocab_size=32", "data.tokenizer=unused"])
+    target = "g"
+    setup = build(cfg, meshlib.single_device_mesh())
+    step_fn = make_train_step(setup.graphdef, setup.tx, cfg, setup.mesh, setup.shardings, make(cfg))
+    holder = {"state": setup.state}
+    gen = Generator(dataclasses.replace(cfg.model, num_nextn_predict_layers=0),
+                    grpo.policy_state(setup.state, cfg), cfg.infer, mesh=setup.mesh, eos_id=toklib.eos_id(tok),
+                    tokenizer=tok)
+    bandit = rewards.Combined({"hit": lambda text, ex: float(text == target)}, {"hit": 1.0})
+    rollouts = grpo.Rollouts(cfg, grpo.Prompts("bandit", tok, chat.Template()), gen, lambda: holder["state"], 0,
+                             reward=bandit, examples=lambda step, n: [{"prompt": "pick a letter"}] * n)
+    curve = []
+    state = setup.state
+    for _ in range(steps):
+        batch = rollouts.__next__()
+        state, m = step_fn(state, batch)
+        holder["state"] = state
+        curve.append(rollouts.metrics["reward_mean"])
+        if curve[-1] >= 0.9:
+            break
+    return curve
+
+
+@pytest.mark.slow
+def test_a_single_token_bandit_is_learned_within_50_steps(tmp_path):
+    curve = _bandit(tmp_path)
+    print("bandit reward by step:", [round(x, 2) for x in curve])
+    assert curve[0] < 0.5 and curve[-1] >= 0.9, curve         # measured: 0.91 at step 17
+
+
+RUN = ["loss.objective=grpo", "grpo.task=reverse", "grpo.group_size=4", "train.global_batch_size=16",
+       "grpo.max_new_tokens=10", "data.seq_len=64", "grpo.eval_prompts=8", "train.steps=3", "train.log_every=1",
+       "grpo.beta=0.04", "optim.eps=1e-6", "optim.bias_update_rate=0", "loss.mtp_loss_weight=0", "grpo.temperature=1.0"]
+
+
+def _records(run):
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_grpo_runs_on_8_devices_as_on_1(tmp_path):
+    runs = {}
+    for name, mesh in (("one", ["mesh.data=1"]), ("eight", ["mesh.data=4", "mesh.fsdp=2"])):
+        cfg = configlib.load(TINY, [*RUN, *mesh])
+        grpo.train(cfg, tmp_path / name, jax.devices()[:1] if name == "one" else jax.devices()[:8])
+        runs[name] = _records(tmp_path / name)
+    one, eight = runs["one"], runs["eight"]
+    ev = [r for r in one if r.get("split") == "eval"]
+    assert [r["step"] for r in ev] == [0, 3] and all("reward_mean" in r for r in ev)
+    train = [r for r in one if "split" not in r]
+    for key in ("reward_mean", "reward_std", "reward_task_partial", "reward_task_partial_std", "kl", "clip_low_frac",
+                "clip_high_frac", "completion_len", "frac_reward_zero_std", "rollout_s", "update_s", "ratio_drift"):
+        assert key in train[0], key
+    assert (tmp_path / "one" / "rewards.png").is_file()
+    a = [r["loss"] for r in one if "split" not in r]
+    b = [r["loss"] for r in eight if "split" not in r]
+    assert [r["reward_mean"] for r in one if "split" not in r] == [r["reward_mean"] for r in eight if "split" not in r]
+    np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-7)
+    pa = ckpt.ParamsReader(tmp_path / "one" / "checkpoints")
+    pb = ckpt.ParamsReader(tmp_path / "eight" / "checkpoints")
+    for k in pa.shapes:
+        np.testing.assert_allclose(pb.read(k), pa.read(k), atol=1e-5, err_msg="/".join(k))
