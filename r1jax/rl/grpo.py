@@ -324,7 +324,7 @@ def train(cfg: Config, run_dir: str | Path, devices: list | None = None) -> dict
     result = loop.run(step, state, rollouts, place=place, start=start, end=min(t.steps, t.stop_at or t.steps),
                       total=t.steps, log_every=t.log_every, writer=writer, checkpointer=ckpt, save_meta={},
                       evaluator=evaluator, eval_every=t.eval_every, tokens_per_step=t.global_batch_size * cfg.data.seq_len,
-                      flops_per_token=1.0, peak_flops=float("inf"))
+                      flops_per_token=0.0, peak_flops=1.0)     # no MFU: rollouts dominate a step
     state = result.state
     done = int(state["step"])
     final = {k: v for k, v in (writer.records[-1] if writer.records else {}).items() if k != "step"}

@@ -39,8 +39,9 @@ def main(argv: list[str] | None = None) -> int:
             msg += f" (eval {final['eval_loss']:.4f}, perplexity {final['eval_perplexity']:.2f})"
         if "eval_reward_mean" in final:
             msg += f" (eval reward_mean {final['eval_reward_mean']:.4f})"
+        plot = "rewards.png" if cfg.loss.objective is configlib.ObjectiveKind.grpo else "loss.png"
         print(f"{msg}\nlogs: {run_dir}/metrics.jsonl, {run_dir}/tensorboard/ "
-              f"(tensorboard --logdir {run_dir}/tensorboard), {run_dir}/loss.png\n"
+              f"(tensorboard --logdir {run_dir}/tensorboard), {run_dir}/{plot}\n"
               f"checkpoints: {run_dir}/checkpoints/")
     return 0
 

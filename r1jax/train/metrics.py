@@ -75,6 +75,8 @@ def _line(step: int, total: int, v: dict, elapsed: float, done_frac: float) -> s
     parts = [f"step {step}/{total}", f"loss {v['loss']:.4f}"]
     if v.get("mtp_loss"):
         parts.append(f"mtp {v['mtp_loss']:.4f}")
+    if "reward_mean" in v:                    # GRPO (r1jax/rl/grpo.py)
+        parts.append(f"reward {v['reward_mean']:.3f} (len {v['completion_len']:.1f})")
     parts += [f"lr {v['lr']:.2e}", f"gnorm {v['grad_norm']:.3f}", f"{v['tokens_per_s']:.0f} tok/s"]
     if math.isfinite(v.get("mfu", math.nan)):
         parts.append(f"mfu {100 * v['mfu']:.1f}%")
