@@ -105,6 +105,7 @@ class DataSource(str, enum.Enum):
     jsonl = "jsonl"              # JSON Lines files; the text is under `data.text_field`
     parquet = "parquet"          # Parquet files; the text column is `data.text_field`
     arrayrecord = "arrayrecord"  # ArrayRecord files; records are UTF-8 text or JSON objects
+    task = "task"                # loss.objective=sft: worked solutions of a generated task (data/tasks.py)
 
 
 class TextMode(str, enum.Enum):
@@ -317,6 +318,8 @@ class DataConfig:
     clean: bool = False                # NFC, \r\n -> \n, strip line ends, drop control characters
     workers: int = 0                   # Grain worker processes (mp_prefetch); 0: read in-process
     sft_turns: str = "last"            # loss.objective=sft: train the last assistant turn, or all of them
+    task: str = "reverse"              # data.source=task: reverse, arithmetic or countdown
+    task_examples: int = 2000          # data.source=task: examples generated (train split, from train.seed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -692,7 +695,7 @@ def validate(cfg: Config) -> None:
           f"data.seq_len={d.seq_len}: must be <= model.max_position_embeddings ({m.max_position_embeddings})")
     _need(0.0 <= d.eval_fraction < 1.0, f"data.eval_fraction={d.eval_fraction}: must be in [0, 1)")
     _need(d.tokenizer_train_mb > 0, f"data.tokenizer_train_mb={d.tokenizer_train_mb}: must be > 0")
-    if d.source is DataSource.stdlib:
+    if d.source in (DataSource.stdlib, DataSource.task):
         _need(not d.paths, "data.paths: only used with data.source=text, jsonl, parquet or arrayrecord")
     else:
         _need(len(d.paths) > 0, f"data.paths: data.source={d.source.value} needs at least one file or glob")
@@ -703,8 +706,13 @@ def validate(cfg: Config) -> None:
     _need(d.workers >= 0, f"data.workers={d.workers}: must be >= 0 (0: read in-process)")
     _need(d.sft_turns in ("last", "all"), f"data.sft_turns={d.sft_turns}: must be last or all")
     if ls.objective in (ObjectiveKind.sft, ObjectiveKind.kd):
-        _need(d.source is DataSource.jsonl, f"loss.objective={ls.objective.value}: reads chat records from JSON "
-                                            f"Lines; set data.source=jsonl (not {d.source.value}) and data.paths")
+        _need(d.source in (DataSource.jsonl, DataSource.task),
+              f"loss.objective={ls.objective.value}: reads chat records: data.source=jsonl with data.paths, or "
+              f"data.source=task (not {d.source.value})")
+    else:
+        _need(d.source is not DataSource.task, f"data.source=task: chat records for loss.objective=sft or kd "
+                                               f"(not {ls.objective.value})")
+    _need(d.task_examples > 0, f"data.task_examples={d.task_examples}: must be positive")
     kd = cfg.distill
     if ls.objective is ObjectiveKind.kd:
         _need(kd.teacher is not None and kd.teacher.split(":", 1)[0] in ("hf", "orbax") and ":" in kd.teacher,

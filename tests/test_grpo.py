@@ -173,3 +173,22 @@ def test_grpo_runs_on_8_devices_as_on_1(tmp_path):
     pb = ckpt.ParamsReader(tmp_path / "eight" / "checkpoints")
     for k in pa.shapes:
         np.testing.assert_allclose(pb.read(k), pa.read(k), atol=1e-5, err_msg="/".join(k))
+
+
+@pytest.mark.slow
+def test_the_recipe_configs_run_as_their_first_lines_say(tmp_path):
+    """configs/r1_sft.yaml (SFT on a generated task's worked solutions, data.source=task), then
+    configs/r1_grpo.yaml from its checkpoint, two steps each: the GRPO run evaluates before its
+    first update and at the end, and uses the SFT run's tokenizer."""
+    from r1jax.train import trainer
+    root = TINY.parents[1]
+    sft = tmp_path / "sft"
+    trainer.train(configlib.load(root / "configs" / "r1_sft.yaml", ["train.steps=2", "train.eval_every=0",
+                                                                     "data.task_examples=64"]), sft)
+    rl = tmp_path / "grpo"
+    grpo.train(configlib.load(root / "configs" / "r1_grpo.yaml", [f"model.init_from=orbax:{sft / 'checkpoints'}",
+                                                                   "train.steps=2", "train.global_batch_size=16",
+                                                                   "grpo.eval_prompts=4", "grpo.max_new_tokens=8"]), rl)
+    ev = [r for r in _records(rl) if r.get("split") == "eval"]
+    assert [r["step"] for r in ev] == [0, 2]
+    assert (rl / "tokenizer.json").read_text() == (sft / "tokenizer.json").read_text()

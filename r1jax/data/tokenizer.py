@@ -20,7 +20,11 @@ def train(texts: Iterable[str], vocab_size: int, extra_specials: Sequence[str] =
     ones at the end: each is one token, matched whole in any text encoded; decoding drops the
     special ones only."""
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    # a chat tokenizer (R1's markers given) keeps each digit its own token, as LLaMA's does: the
+    # generated tasks' arithmetic and digit reversal are then digit by digit
+    tok.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+                         if extra_specials else byte_level)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(extra_tokens), special_tokens=[*SPECIALS, *extra_specials],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)

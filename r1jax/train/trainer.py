@@ -41,8 +41,8 @@ from flax import nnx
 from r1jax import config as configlib
 from r1jax import weights
 from r1jax.checkpoint.manager import Checkpointer
-from r1jax.config import Config, ConfigError, ObjectiveKind
-from r1jax.data import chat, sft
+from r1jax.config import Config, ConfigError, DataSource, ObjectiveKind
+from r1jax.data import chat, sft, tasks
 from r1jax.data import tokenizer as toklib
 from r1jax.data.pipeline import ShardsIterator, lm_batches, saved_workers, split_documents
 from r1jax.data.sources import describe, open_corpus
@@ -186,13 +186,21 @@ def _sft_data(cfg: Config, run_dir: Path) -> Data:
     """SFT: chat records (data/sft.py), whole examples packed per row, the loss on the assistant's
     tokens. The chat template is the tokenizer directory's own when it has one, else R1's."""
     d, t = cfg.data, cfg.train
-    examples = sft.read(d.paths)
+    if d.source is DataSource.task:           # a generated task's worked solutions (R1's cold start, in miniature)
+        if d.task not in tasks.TASKS:
+            raise ConfigError(f"data.task={d.task}: unknown; allowed: {', '.join(tasks.TASKS)}")
+        examples = [{"messages": [{"role": "user", "content": ex["prompt"]},
+                                  {"role": "assistant", "content": tasks.solution(ex)}]}
+                    for ex in tasks.generate(d.task, d.task_examples, seed=t.seed)]
+    else:
+        examples = sft.read(d.paths)
     texts = [" ".join(m["content"] for m in ex["messages"]) for ex in examples]
     tok = _tokenizer(cfg, run_dir, texts, chat.MARKERS, chat.THINK)
     where = d.tokenizer or _source_tokenizer(cfg)
     template = chat.for_directory(None if where is None else Path(where).parent if Path(where).is_file() else Path(where))
     split = split_documents(len(examples), d.eval_fraction, t.seed)
-    log_line(f"sft: {len(examples)} chat records from {len(d.paths)} file(s), {len(split.eval)} held out; template "
+    where_from = f"task {d.task}" if d.source is DataSource.task else f"{len(d.paths)} file(s)"
+    log_line(f"sft: {len(examples)} chat records from {where_from}, {len(split.eval)} held out; template "
              f"{template.name}, training {'every assistant turn' if d.sft_turns == 'all' else 'the last assistant turn'}")
     log_line(sft.stats([examples[i] for i in split.train], tok, template, d.seq_len, turns=d.sft_turns).line())
 
