@@ -93,6 +93,17 @@ class Remat(str, enum.Enum):
     offload = "offload"                # move the tagged activations to host memory (where supported)
 
 
+class SpikePolicy(str, enum.Enum):
+    off = "off"            # no spike detection
+    warn = "warn"          # log the spike (metrics.jsonl event, console, alert hook) and go on
+    rollback = "rollback"  # as for non-finite steps: back to the last good checkpoint, skip the batches
+
+
+class OnError(str, enum.Enum):
+    stop = "stop"          # a failed checkpoint write ends the run (exit 1); the previous checkpoint stays
+    continue_ = "continue" # one line, training goes on, the next save tries again
+
+
 class Schedule(str, enum.Enum):
     gpipe = "gpipe"
     circular = "circular"
@@ -351,12 +362,29 @@ class TrainConfig:
     stop_at: int = 0                   # stop (with a checkpoint) after this step; 0: run to train.steps
     microbatches: int = 1              # pipeline microbatches per (grad_accum) microbatch; mesh.pipeline > 1 only
     seed: int = 0
+    # bad steps (r1jax/train/guard.py): a non-finite loss or gradient skips the update in the step
+    max_bad_steps: int = 3             # this many in a row: roll back to the last good checkpoint
+    max_rollbacks: int = 5             # more than this many rollbacks in one run: stop with an error
+    spike_policy: SpikePolicy = SpikePolicy.warn
+    spike_zscore: float = 6.0          # a step's loss this many standard deviations above the window's mean
+    spike_window: int = 100            # steps of loss history the z-score is taken over (judged after 20)
+    grad_norm_window: int = 100        # steps of gradient-norm history for the anomaly alert
+    grad_norm_std_alert: float = 0.5   # alert when the window's gradient-norm std exceeds this; 0: off
+    alert_command: Optional[str] = None  # run (sh -c) on each alert, with R1JAX_ALERT_* in its environment
+    inject_faults: list[str] = dataclasses.field(default_factory=list)  # fire drills: nan_data@S, nan_param@S, spike@S, stall@S
+    watchdog_factor: float = 10.0      # report a step slower than this x the median step time; 0: off
+    watchdog_min_s: float = 60.0       # ... and never before this many seconds without progress
+    watchdog_stacks: bool = False      # the report includes every thread's Python stack
+    # live metrics (r1jax/train/exporter.py): Prometheus /metrics, off when the port is 0
+    metrics_port: int = 0
+    metrics_host: str = "127.0.0.1"
 
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
     every: int = 1000
     keep: int = 3
+    on_error: OnError = OnError.stop   # a write that fails (disk full, read-only): stop, or go on and retry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -371,6 +399,7 @@ class DistributedConfig:
     """Multi-process runs (launched by r1jax.launch or srun); ignored by a single process."""
     init_timeout_s: int = 300          # every process must join within this many seconds, else exit 1
     data_shards: int = 0               # training data shards, a multiple of the process count; 0: one per process
+    heartbeat_timeout_s: int = 100     # a peer silent this long is taken as dead: the others exit 1 naming it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -485,6 +514,8 @@ def _omegaconf_line(e: OmegaConfBaseException) -> str:
         close = difflib.get_close_matches(key.rsplit(".", 1)[-1], _fields(cls), n=1)
         hint = f"did you mean {close[0]}?" if close else f"allowed: {', '.join(_fields(cls))}"
         return f"{key}: unknown key; {hint}"
+    if "is not a ListConfig" in msg:      # a list key given one value (data.paths=/x.jsonl)
+        return f"{key}: expects a list; write {key}=[a,b] (brackets, even for one item)"
     return f"{key}: {msg}" if key else msg
 
 
@@ -661,6 +692,9 @@ def validate_lora(lo: LoraConfig, m: ModelConfig) -> None:
           "lora.targets: mlp (the dense layers' SwiGLU) needs model.first_k_dense_replace > 0")
 
 
+FAULTS = ("nan_data", "nan_param", "spike", "stall")   # train.inject_faults kinds (r1jax/train/guard.py)
+
+
 def validate(cfg: Config) -> None:
     m, mesh, d, o, t, c = cfg.model, cfg.mesh, cfg.data, cfg.optim, cfg.train, cfg.checkpoint
     validate_model(m)
@@ -794,8 +828,24 @@ def validate(cfg: Config) -> None:
               f"{mesh.pipeline} microbatches")
     _need(c.every > 0, f"checkpoint.every={c.every}: must be a positive integer")
     _need(c.keep > 0, f"checkpoint.keep={c.keep}: must be a positive integer")
+    _need(t.max_bad_steps >= 1, f"train.max_bad_steps={t.max_bad_steps}: must be a positive integer")
+    _need(t.max_rollbacks >= 0, f"train.max_rollbacks={t.max_rollbacks}: must be >= 0")
+    _need(t.spike_zscore > 0, f"train.spike_zscore={t.spike_zscore}: must be > 0")
+    _need(t.spike_window >= 20, f"train.spike_window={t.spike_window}: must be >= 20 steps")
+    _need(t.grad_norm_window >= 2, f"train.grad_norm_window={t.grad_norm_window}: must be >= 2 steps")
+    _need(t.grad_norm_std_alert >= 0, f"train.grad_norm_std_alert={t.grad_norm_std_alert}: must be >= 0 (0: off)")
+    _need(t.watchdog_factor == 0 or t.watchdog_factor > 1,
+          f"train.watchdog_factor={t.watchdog_factor}: must be > 1 (times the median step time) or 0 (off)")
+    _need(t.watchdog_min_s >= 0, f"train.watchdog_min_s={t.watchdog_min_s}: must be >= 0")
+    _need(0 <= t.metrics_port < 65536, f"train.metrics_port={t.metrics_port}: must be a TCP port (0: off)")
+    for f in t.inject_faults:
+        kind, _, at = f.partition("@")
+        _need(kind in FAULTS and at.isdigit() and int(at) >= 1,
+              f"train.inject_faults: '{f}' is not KIND@STEP with KIND one of {', '.join(FAULTS)} and STEP >= 1")
     dist = cfg.distributed
     _need(dist.init_timeout_s > 0, f"distributed.init_timeout_s={dist.init_timeout_s}: must be a positive integer")
+    _need(dist.heartbeat_timeout_s > 0,
+          f"distributed.heartbeat_timeout_s={dist.heartbeat_timeout_s}: must be a positive integer")
     _need(dist.data_shards >= 0, f"distributed.data_shards={dist.data_shards}: must be >= 0 (0: one per process)")
     _need(dist.data_shards == 0 or t.global_batch_size % dist.data_shards == 0,
           f"distributed.data_shards={dist.data_shards}: must divide train.global_batch_size ({t.global_batch_size})")

@@ -41,7 +41,7 @@ def free_port() -> int:
 def child_env(i: int, n: int, port: int, devices: int | None, base: dict[str, str] | None = None) -> dict[str, str]:
     env = {k: v for k, v in (os.environ if base is None else base).items() if not k.startswith("SLURM_")}
     env.update(R1JAX_COORDINATOR=f"127.0.0.1:{port}", R1JAX_NUM_PROCESSES=str(n), R1JAX_PROCESS_ID=str(i),
-               PYTHONUNBUFFERED="1")
+               R1JAX_LOCAL_RANK=str(i), PYTHONUNBUFFERED="1")     # all on this host: rank = process id
     if devices:
         env["JAX_NUM_CPU_DEVICES"] = str(devices)      # CPU: K virtual devices per process
         env["R1JAX_LOCAL_DEVICE_IDS"] = ",".join(str(i * devices + k) for k in range(devices))  # GPU: its own K

@@ -150,7 +150,8 @@ def test_empty_corpus_is_one_clear_line(tmp_path):
         open_corpus(DataConfig(source=DataSource.text, paths=[str(tmp_path / "*.txt")]))
     assert str(e.value) == "data.paths (text): the corpus is empty: 2 files, 2 empty documents"
     (tmp_path / "r.jsonl").write_text('{"x": 1}\n\n')
-    with pytest.raises(ConfigError, match=r"^data.paths \(jsonl\): .*1 bad \(first: .*r.jsonl:1\)$"):
+    with pytest.raises(ConfigError, match=r"^data.paths \(jsonl\): .*1 bad \(first: .*r.jsonl:1: no \"text\" key "
+                                          r"\(data.text_field=text\); its keys: x\)$"):
         open_corpus(DataConfig(source=DataSource.jsonl, paths=[str(tmp_path / "r.jsonl")]))
     with pytest.raises(ConfigError, match=r"^data.paths: '.*nothing\*' matches no file$"):
         open_corpus(DataConfig(source=DataSource.jsonl, paths=[str(tmp_path / "nothing*")]))

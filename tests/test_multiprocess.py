@@ -190,6 +190,44 @@ def test_missing_peer_exits_with_one_line_within_the_timeout(tmp_path):
         assert secs < timeout + 20        # the timeout plus interpreter and JAX start-up, not 2x the timeout
 
 
+def test_peer_killed_mid_run_stops_the_survivor_with_one_line(tmp_path):
+    """SIGKILL of process 1 of 2 after step 3 (not through the launcher, which would stop the other
+    itself; srun does not by default): process 0 exits 1 within distributed.heartbeat_timeout_s,
+    naming process 1, instead of hanging in its next all-reduce."""
+    hb, port = 10, free_port()
+    procs = []
+    for pid in (0, 1):
+        env = clean_env(R1JAX_COORDINATOR=f"127.0.0.1:{port}", R1JAX_NUM_PROCESSES="2", R1JAX_PROCESS_ID=str(pid),
+                        JAX_NUM_CPU_DEVICES="4")
+        cmd = [sys.executable, "-m", "r1jax.train", "--config", TINY, "--run-dir", str(tmp_path / "run"),
+               "train.steps=1000", "train.log_every=1", "checkpoint.every=1000", f"distributed.heartbeat_timeout_s={hb}"]
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True, start_new_session=True))
+    survivor, victim = procs
+    try:
+        deadline = time.time() + 240
+        for line in survivor.stdout:         # process 0 logs; wait for its step 3
+            if line.startswith("step 3/") or time.time() > deadline:
+                break
+        assert time.time() < deadline, "no step 3 within 240 s"
+        os.killpg(victim.pid, signal.SIGKILL)
+        t_kill = time.time()
+        try:
+            err = survivor.communicate(timeout=hb + 60)[1]
+        except subprocess.TimeoutExpired:
+            pytest.fail("the survivor hangs")
+        secs = time.time() - t_kill
+    finally:
+        for p in procs:
+            kill_tree(p.pid)
+    lines = [x for x in err.splitlines() if x.strip() and "Warning" not in x and "warnings.warn" not in x]
+    print(f"\nprocess 1 killed after step 3: process 0 exit {survivor.returncode} after {secs:.1f} s: {lines}")
+    assert survivor.returncode == 1
+    assert lines == [next(x for x in lines if x.startswith("error: process 0: process 1 of 2 has sent no heartbeat"))]
+    assert f"distributed.heartbeat_timeout_s={hb}" in lines[0]
+    assert secs < hb + 5                       # the timeout plus one beat, not JAX's own abort
+
+
 def _child(launcher: subprocess.Popen, index: int) -> psutil.Process:
     deadline = time.time() + 60
     while time.time() < deadline:

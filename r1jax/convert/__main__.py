@@ -4,9 +4,13 @@ hf-to-orbax   an HF DeepseekV3 directory (config.json + safetensors) -> an r1jax
               directory (Orbax step 0, item `params`, plus model_config.json)
 orbax-to-hf   an r1jax checkpoint directory (a conversion output or a run's checkpoints/) ->
               an HF directory that transformers.AutoModelForCausalLM.from_pretrained loads
-              (a LoRA run's adapters merged into the weights)
+              (a LoRA run's adapters merged into the weights), with the run's tokenizer
 lora-to-peft  a LoRA run's checkpoints/ -> a PEFT adapter directory (adapter_config.json,
               adapter_model.safetensors) for peft.PeftModel.from_pretrained over the base model
+
+The tokenizer files of SRC (or of the training run around a run's checkpoints/) are copied
+beside the weights. DST receives the output only once it is whole: a conversion that fails
+leaves DST as it was and says in one line what is wrong.
 """
 from __future__ import annotations
 
@@ -45,30 +49,36 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
 
+    import logging
+    logging.getLogger("absl").setLevel(logging.ERROR)   # orbax's notes on metadata it does without
     from r1jax.config import ConfigError
-    from r1jax.convert import hf
+    from r1jax.convert import hf, output
     from r1jax.convert.safetensors_io import CheckpointError
 
     t0 = time.time()
     try:
-        if args.direction == "hf-to-orbax":
-            cfg = hf.hf_to_orbax(src, dst)
-        elif args.direction == "lora-to-peft":
-            from r1jax.convert import peft
-            cfg, lo, n = peft.export(src, dst, step=args.step, base=args.base)
-            print(f"lora-to-peft: {src} -> {dst} (rank {lo.rank}, {n} tensors on {', '.join(lo.targets)}) "
-                  f"in {time.time() - t0:.1f}s")
-            return 0
-        else:
-            import ml_dtypes
-            dtype = ml_dtypes.bfloat16 if args.dtype == "bfloat16" else DTYPES[args.dtype]
-            cfg = hf.orbax_to_hf(src, dst, step=args.step, dtype=dtype,
-                                 max_shard_bytes=int(args.max_shard_gb * 2**30))
+        with output.staged(dst) as out:
+            if args.direction == "hf-to-orbax":
+                cfg = hf.hf_to_orbax(src, out)
+            elif args.direction == "lora-to-peft":
+                from r1jax.convert import peft
+                cfg, lo, n = peft.export(src, out, step=args.step, base=args.base)
+            else:
+                import ml_dtypes
+                dtype = ml_dtypes.bfloat16 if args.dtype == "bfloat16" else DTYPES[args.dtype]
+                cfg = hf.orbax_to_hf(src, out, step=args.step, dtype=dtype,
+                                     max_shard_bytes=int(args.max_shard_gb * 2**30))
+            tok = [] if args.direction == "lora-to-peft" else output.copy_tokenizer(src, out)
     except (ConfigError, CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {e}; nothing was written to {dst}", file=sys.stderr)
         return 2
+    with_tok = f"; with {', '.join(tok)}" if tok else "; no tokenizer.json found beside SRC"
+    if args.direction == "lora-to-peft":
+        print(f"lora-to-peft: {src} -> {dst} (rank {lo.rank}, {n} tensors on {', '.join(lo.targets)}) "
+              f"in {time.time() - t0:.1f}s")
+        return 0
     print(f"{args.direction}: {src} -> {dst} ({cfg.num_hidden_layers} layers, "
-          f"MTP depth {cfg.num_nextn_predict_layers}) in {time.time() - t0:.1f}s")
+          f"MTP depth {cfg.num_nextn_predict_layers}) in {time.time() - t0:.1f}s{with_tok}")
     return 0
 
 

@@ -251,8 +251,41 @@ def hf_to_orbax(src: str | Path, dst: str | Path) -> ModelConfig:
 
 def orbax_to_hf(src: str | Path, dst: str | Path, *, step: int | None = None, dtype=F32,
                 max_shard_bytes: int = 5 * 2**30) -> ModelConfig:
-    """r1jax Orbax checkpoint directory -> HF directory, one leaf in memory at a time."""
+    """r1jax Orbax checkpoint directory -> HF directory, one leaf in memory at a time. A checkpoint
+    that cannot be read (a file missing, truncated or corrupted) is a CheckpointError naming the
+    step and the parameter."""
     cfg = ckpt.read_model_config(src)
-    reader = ckpt.ParamsReader(src, step)
-    write_hf(dst, cfg, reader.read, dtype, max_shard_bytes)
+    where = f"{src}" + (f" step {step}" if step is not None else "")
+    if step is not None and not (Path(src) / str(step) / ckpt.PARAMS).is_dir():
+        have = sorted(int(d.name) for d in Path(src).iterdir() if d.name.isdigit() and (d / ckpt.PARAMS).is_dir())
+        raise CheckpointError(f"{src}: has no checkpoint step {step} (steps: {', '.join(map(str, have)) or 'none'})")
+    try:
+        reader = ckpt.ParamsReader(src, step)
+    except (configlib.ConfigError, CheckpointError):
+        raise
+    except Exception as e:            # orbax and tensorstore raise many kinds, with long messages
+        raise CheckpointError(f"{where}: its metadata cannot be read ({_first_line(e)}); the checkpoint is "
+                              f"incomplete or corrupted") from None
+    where = f"{src} step {reader.step}"
+    want = sorted({ckpt.path_key(p) for e in entries(cfg) for p in e.paths})
+    lost = [k for k in want if k not in reader.shapes]
+    if lost:                 # before anything is written
+        raise CheckpointError(f"{where}: its metadata lists {len(want) - len(lost)} of the model's {len(want)} "
+                              f"parameters (first missing: {'/'.join(lost[0])}); the checkpoint is incomplete "
+                              f"or corrupted")
+
+    def read(path: tuple) -> np.ndarray:
+        try:
+            return reader.read(path)
+        except (configlib.ConfigError, CheckpointError):
+            raise
+        except Exception as e:
+            raise CheckpointError(f"{where}: parameter {'/'.join(map(str, path))} cannot be read "
+                                  f"({_first_line(e)}); the checkpoint is truncated or corrupted") from None
+    write_hf(dst, cfg, read, dtype, max_shard_bytes)
     return cfg
+
+
+def _first_line(e: BaseException, limit: int = 300) -> str:
+    text = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return text if len(text) <= limit else text[:limit] + "..."

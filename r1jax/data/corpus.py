@@ -28,7 +28,8 @@ class Scan:
     skipped_empty: int = 0
     replaced_chars: int = 0   # U+FFFD introduced for undecodable bytes (pre-existing ones excluded)
     bad_records: int = 0      # JSON lines/records that do not parse or lack the text field
-    first_bad: str | None = None
+    first_bad: str | None = None      # where the first one is (file:line, file:record N)
+    first_bad_why: str | None = None  # what is wrong with it, naming data.text_field where it counts
     bytes: int = 0            # UTF-8 bytes of the kept documents
 
     def text(self, raw: bytes | str, clean: bool, replaced: int = 0) -> str | None:
@@ -54,15 +55,29 @@ class Scan:
         try:
             obj = json.loads(text)
         except json.JSONDecodeError:
-            obj = None
+            self.bad(where, "not JSON")
+            return None
         if not isinstance(obj, dict) or not isinstance(obj.get(field), str):
-            self.bad(where)
+            self.bad(where, _why(obj, field))
             return None
         return self.text(obj[field], clean, replaced)
 
-    def bad(self, where: str) -> None:
+    def bad(self, where: str, why: str | None = None) -> None:
         self.bad_records += 1
-        self.first_bad = self.first_bad or where
+        if self.first_bad is None:
+            self.first_bad, self.first_bad_why = where, why
+
+
+def _why(obj: Any, field: str) -> str:
+    """What keeps a parsed JSON record from being a document: it is not an object, or its text
+    field (data.text_field) is missing or not a string."""
+    if not isinstance(obj, dict):
+        return f"a JSON {type(obj).__name__}, not an object"
+    if field not in obj:
+        keys = list(obj)
+        shown = ", ".join(map(str, keys[:10])) + (f", ... ({len(keys)} keys)" if len(keys) > 10 else "")
+        return f"no \"{field}\" key (data.text_field={field}); its keys: {shown or 'none'}"
+    return f"\"{field}\" (data.text_field) holds a {type(obj[field]).__name__}, not a string"
 
 
 class Corpus:

@@ -52,10 +52,16 @@ def open_corpus(d: DataConfig) -> Corpus:
     if len(corpus) == 0:
         s = corpus.stats
         where = "data.source=stdlib" if d.source is DataSource.stdlib else f"data.paths ({d.source.value})"
-        bad = f", {s['bad_records']} bad (first: {s['first_bad']})" if s["bad_records"] else ""
+        bad = f", {s['bad_records']} bad (first: {_first_bad(s)})" if s["bad_records"] else ""
         raise ConfigError(f"{where}: the corpus is empty: {s['files']} files, {s['skipped_empty']} empty "
                           f"documents{bad}")
     return corpus
+
+
+def _first_bad(stats: dict) -> str:
+    """Where the first bad record is and, when known, what is wrong with it."""
+    why = stats.get("first_bad_why")
+    return f"{stats['first_bad']}: {why}" if why else stats["first_bad"]
 
 
 def describe(corpus: Corpus) -> str:
@@ -64,7 +70,7 @@ def describe(corpus: Corpus) -> str:
     line = (f"{s['documents']} documents from {s['files']} files ({s['bytes'] / 2**20:.1f} MB); "
             f"skipped {s['skipped_empty']} empty")
     if s["bad_records"]:
-        line += f", {s['bad_records']} malformed (first: {s['first_bad']})"
+        line += f", {s['bad_records']} malformed (first: {_first_bad(s)})"
     if s["replaced_chars"]:
         line += f"; {s['replaced_chars']} undecodable byte sequences became U+FFFD"
     return line

@@ -63,8 +63,9 @@ def plan(env: dict[str, str] | None = None) -> dict | None:
     return kw
 
 
-def initialize(timeout_s: int) -> None:
-    """Join the other processes (if any) before anything touches the JAX backend."""
+def initialize(timeout_s: int, heartbeat_timeout_s: int = 100) -> None:
+    """Join the other processes (if any) before anything touches the JAX backend, then watch them
+    (`Heartbeat`)."""
     kw = plan()
     if kw is None:
         return
@@ -82,13 +83,82 @@ def initialize(timeout_s: int) -> None:
             os._exit(EXIT_NO_PEERS)
     threading.Thread(target=watchdog, name="r1jax-join-watchdog", daemon=True).start()
     try:
-        # JAX's own deadline is later than ours, so the clear line above comes first
-        jax.distributed.initialize(initialization_timeout=timeout_s + 60, **kw)
+        # JAX's own deadlines are later than ours, so our clear lines come first
+        jax.distributed.initialize(initialization_timeout=timeout_s + 60,
+                                   heartbeat_timeout_seconds=heartbeat_timeout_s + HEARTBEAT_MARGIN_S, **kw)
     except (RuntimeError, ValueError) as e:
         raise ConfigError(f"distributed start-up ({who}, coordinator {where}): "
                           f"{str(e).strip().splitlines()[0]}") from None
     finally:
         joined.set()
+    _HEARTBEAT["beat"] = Heartbeat(heartbeat_timeout_s)
+    _HEARTBEAT["beat"].start()
+
+
+HEARTBEAT_MARGIN_S = 30
+_HEARTBEAT: dict = {}
+
+
+def await_peers_verdict() -> None:
+    """After a collective failed (gloo: "Connection reset by peer" when a peer died mid-step): give
+    the heartbeat the time it needs to name the missing process (it exits the process with that
+    line); return when it found every peer alive, so the caller reports the error itself."""
+    import time
+    beat = _HEARTBEAT.get("beat")
+    if beat is not None:
+        time.sleep(beat.timeout_s + 2 * beat.interval_s)
+
+
+class Heartbeat:
+    """Every process beats into the coordination service's key-value store and reads everyone
+    else's beats; a peer silent for `timeout_s` (distributed.heartbeat_timeout_s) is taken as dead,
+    and so is the coordinator when it stops answering. Then this process prints one line naming
+    the missing process and exits 1.
+
+    Why not leave it to JAX: its service notices too (after its own heartbeat timeout, set
+    HEARTBEAT_MARGIN_S later), but it aborts the process with a C++ CHECK failure and a stack
+    trace; and gloo's collectives never notice a dead peer, so without either the survivors hang
+    in their next all-reduce. The beat is a thread: XLA releases the GIL while it computes or
+    compiles, so a busy process still beats, and one that is truly stuck is reported as such."""
+
+    def __init__(self, timeout_s: float, interval_s: float | None = None):
+        import jax
+        from jax._src import distributed as jd
+        self.client, self.me, self.n = jd.global_state.client, jax.process_index(), jax.process_count()
+        self.timeout_s = timeout_s
+        self.interval_s = interval_s or max(0.5, min(5.0, timeout_s / 5))
+
+    def start(self) -> None:
+        threading.Thread(target=self._run, name="r1jax-heartbeat", daemon=True).start()
+
+    def _run(self) -> None:
+        import time
+        beat, seen, answered = 0, {}, time.monotonic()
+        while True:
+            now = time.monotonic()
+            try:
+                self.client.key_value_set(f"r1jax/heartbeat/{self.me}", str(beat), allow_overwrite=True)
+                beats = dict(self.client.key_value_dir_get("r1jax/heartbeat/"))
+                answered = now
+            except Exception:        # the coordinator (process 0) is gone or unreachable
+                if self.me != 0 and now - answered > self.timeout_s:
+                    self._die(f"the coordinator (process 0 of {self.n}) has not answered for {now - answered:.0f} s")
+                beats = None
+            if beats is not None:
+                for i in range(self.n):
+                    value = beats.get(f"r1jax/heartbeat/{i}")
+                    last = seen.get(i)
+                    if last is None or last[0] != value:
+                        seen[i] = (value, now)
+                    elif i != self.me and value is not None and now - last[1] > self.timeout_s:
+                        self._die(f"process {i} of {self.n} has sent no heartbeat for {now - last[1]:.0f} s")
+            beat += 1
+            time.sleep(self.interval_s)
+
+    def _die(self, why: str) -> None:
+        print(f"error: process {self.me}: {why} (distributed.heartbeat_timeout_s={self.timeout_s:g}); it died or "
+              f"hangs, stopping", file=sys.stderr, flush=True)
+        os._exit(EXIT_NO_PEERS)
 
 
 def barrier(name: str, timeout_s: int = 3600) -> None:

@@ -198,26 +198,22 @@ class RewardEval:
         return out
 
 
-def plot(records: list[dict], path: Path) -> None:
-    """Reward (train: sampled; eval: greedy on held-out prompts) and completion length by step."""
+def plot(train: list[dict], evals: list[dict], path: Path) -> None:
+    """Reward (train: sampled; eval: greedy on held-out prompts) and completion length by step, from
+    the whole run's curves (MetricsWriter.series)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    train = [r for r in records if "split" not in r and "reward_mean" in r]
-    evals = [r for r in records if r.get("split") == "eval" and "reward_mean" in r]
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 4))
-    ax.plot([r["step"] for r in train], [r["reward_mean"] for r in train], label="train reward (sampled)")
-    ax.plot([r["step"] for r in evals], [r["reward_mean"] for r in evals], "o-", label="eval reward_mean (greedy)")
-    ax.set_xlabel("step")
-    ax.set_ylabel("reward")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    bx.plot([r["step"] for r in train], [r["completion_len"] for r in train], label="train")
-    bx.plot([r["step"] for r in evals], [r["completion_len"] for r in evals], "o-", label="eval")
-    bx.set_xlabel("step")
-    bx.set_ylabel("completion tokens")
-    bx.legend()
-    bx.grid(alpha=0.3)
+    train = [r for r in train if "reward_mean" in r]
+    evals = [r for r in evals if "reward_mean" in r]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key, ylabel in zip(axes, ("reward_mean", "completion_len"), ("reward", "completion tokens")):
+        ax.plot([r["step"] for r in train], [r[key] for r in train], label="train (sampled)")
+        ax.plot([r["step"] for r in evals], [r[key] for r in evals], "o-", label="eval (greedy)")
+        ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
+        ax.legend()
+        ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -258,7 +254,8 @@ def train(cfg: Config, run_dir: str | Path, devices: list | None = None) -> dict
     mesh = meshlib.make_mesh(cfg.mesh, devices)
     t, m = cfg.train, cfg.model
     ckpt = Checkpointer(run_dir / "checkpoints", every=cfg.checkpoint.every, keep=cfg.checkpoint.keep,
-                        model_cfg=m, layout=None, lora=cfg.lora)
+                        model_cfg=m, layout=None, lora=cfg.lora, on_error=cfg.checkpoint.on_error,
+                        log=log_line)
     resume = ckpt.latest_step()
     if resume is not None:
         ckpt.check_model()
@@ -267,9 +264,7 @@ def train(cfg: Config, run_dir: str | Path, devices: list | None = None) -> dict
         (run_dir / "config.yaml").write_text(configlib.dump_yaml(cfg))
     sample = tasks.generate(cfg.grpo.task, 256, seed=0)
     texts = [ex["prompt"] + " " + tasks.solution(ex) for ex in sample]
-    tok = trainer._tokenizer(cfg, run_dir, texts, chat.MARKERS, chat.THINK)
-    where = cfg.data.tokenizer or trainer._source_tokenizer(cfg)
-    template = chat.for_directory(None if where is None else (Path(where).parent if Path(where).is_file() else Path(where)))
+    tok, template = trainer.chat_tokenizer(cfg, run_dir, texts)
     prompts = Prompts(cfg.grpo.task, tok, template)
     eos = toklib.eos_id(tok)
 
@@ -321,20 +316,26 @@ def train(cfg: Config, run_dir: str | Path, devices: list | None = None) -> dict
     start = int(state["step"])
     if evaluator is not None and start == 0:
         evaluator(state, 0)                 # before the first update
-    result = loop.run(step, state, rollouts, place=place, start=start, end=min(t.steps, t.stop_at or t.steps),
-                      total=t.steps, log_every=t.log_every, writer=writer, checkpointer=ckpt, save_meta={},
-                      evaluator=evaluator, eval_every=t.eval_every, tokens_per_step=t.global_batch_size * cfg.data.seq_len,
-                      flops_per_token=0.0, peak_flops=1.0)     # no MFU: rollouts dominate a step
+    guarding = trainer._guarding(cfg, run_dir, writer, None)     # bad steps are skipped; no rollback yet
+    try:
+        result = loop.run(step, state, rollouts, place=place, start=start, end=min(t.steps, t.stop_at or t.steps),
+                          total=t.steps, log_every=t.log_every, writer=writer, checkpointer=ckpt, save_meta={},
+                          evaluator=evaluator, eval_every=t.eval_every,
+                          tokens_per_step=t.global_batch_size * cfg.data.seq_len,
+                          flops_per_token=0.0, peak_flops=1.0,     # no MFU: rollouts dominate a step
+                          guarding=guarding)
+    finally:
+        trainer._close_guarding(guarding)
     state = result.state
     done = int(state["step"])
-    final = {k: v for k, v in (writer.records[-1] if writer.records else {}).items() if k != "step"}
+    final = {k: v for k, v in writer.last("train").items() if k != "step"}
     if result.stopped is None and evaluator is not None:
         final.update({f"eval_{k}": v for k, v in evaluator(state, done).items()})
-    if ckpt.latest_step() != done:
+    if ckpt.latest_step() != done and result.saveable:
         ckpt.save(state, rollouts, meta={}, force=True)
     ckpt.close()
     if jax.process_index() == 0:
-        plot(writer.records, run_dir / "rewards.png")
+        plot(writer.series("train"), writer.series("eval"), run_dir / "rewards.png")
     writer.close()
     final.update(compile_s=result.compile_s, stopped=result.stopped)
     if jax.process_index() == 0:

@@ -93,10 +93,12 @@ class Evaluator:
 
 
 def summarise(window: list[dict]) -> dict:
-    """Mean of each metric over the logged window; per-layer expert imbalance kept as a list."""
+    """Mean of each metric over the logged window's good steps (a skipped step's NaN would hide
+    the others; `skipped` counts them); per-layer expert imbalance kept as a list."""
     out = {}
+    good = [w for w in window if not float(w["skipped"])] or window
     for k in window[-1]:
-        vals = np.asarray([w[k] for w in window], np.float64)
+        vals = np.asarray([w[k] for w in good], np.float64)
         if vals.ndim == 2:
             per_layer = vals.mean(0)
             out[k] = float(per_layer.max())
@@ -109,53 +111,140 @@ def summarise(window: list[dict]) -> dict:
     return out
 
 
+class RunFailed(RuntimeError):
+    """The run cannot go on (bad steps with nothing to roll back to, too many rollbacks); one line."""
+
+
 @dataclasses.dataclass
 class Result:
     state: Any
     compile_s: float | None
     stopped: str | None        # None, "SIGTERM", "SIGUSR1" or "train.stop_at"
+    batches: Iterator[dict]    # the data iterator the state goes with (a rollback replaces it)
+    saveable: bool             # the last step was good: the state may be checkpointed
+
+
+@dataclasses.dataclass
+class Guarding:
+    """What the loop needs beyond stepping: the guard (guard.py), fire drills, and how to roll
+    back: `rollback(first_bad, done) -> (state, batches, step)` restores the last good checkpoint
+    before step `first_bad` and skips the batches up to `done`."""
+    guard: Any = None
+    faults: Any = None
+    rollback: Callable | None = None
+    max_rollbacks: int = 0
+    exporter: Any = None
+    watchdog: Any = None
 
 
 def run(step_fn: Callable, state, batches: Iterator[dict], *, place: Callable[[dict], Any], start: int, end: int,
         total: int, log_every: int, writer: MetricsWriter, checkpointer, save_meta: dict,
         evaluator: Evaluator | None, eval_every: int, tokens_per_step: int, flops_per_token: float,
-        peak_flops: float, block_each_step: bool = False) -> Result:
-    """Steps start+1 .. end (of `total`); see the module docstring."""
+        peak_flops: float, block_each_step: bool = False, guarding: Guarding | None = None) -> Result:
+    """Steps start+1 .. end (of `total`); see the module docstring.
+
+    Per-step metrics are fetched (and judged by the guard) only at log and checkpoint steps and at
+    the end: a checkpoint is written only when every step before it was judged and the last was
+    good, so a bad state is never saved."""
+    g = guarding or Guarding()
     progress = Progress(total, start)
     stop = StopSignal()
-    last_t, last_step, compile_s, window, stopped = time.time(), start, None, [], None
+    last_t, last_step, compile_s, stopped = time.time(), start, None, None
+    pending: list = []          # device metrics of steps not yet judged
+    window: list[dict] = []     # judged host metrics since the last log
+    wait, rollbacks, saveable, step, first_call = 0.0, 0, True, start, True
     try:
-        for step in range(start, end):
-            state, metrics = step_fn(state, place(next(batches)))
-            window.append(metrics)
+        while step < end:
             done = step + 1
-            if block_each_step or step == start:
+            t0 = time.time()
+            local = next(batches)
+            if g.faults is not None:
+                local, state = g.faults.batch(done, local), g.faults.state(done, state)
+            batch = place(local)
+            wait += time.time() - t0
+            state, metrics = step_fn(state, batch)
+            pending.append(metrics)
+            if g.exporter is not None:
+                g.exporter.step(done)
+            if block_each_step or first_call:
                 jax.block_until_ready(metrics)
-                if step == start:
+                if first_call:
                     compile_s = time.time() - last_t
-                    last_t, last_step = time.time(), done
+                    last_t, last_step, wait, first_call = time.time(), done, 0.0, False
             progress.update(done, metrics if progress.live else None)
-            if done % log_every == 0 or done == total:
-                vals = summarise(jax.device_get(window))
+            log_now = done % log_every == 0 or done == total
+            save_now = checkpointer.should_save(done)
+            asked = stop.agreed()
+            if log_now or save_now or asked or done == end:
+                host = jax.device_get(pending)
+                pending = []
+                verdict = g.guard.inspect(done - len(host) + 1, host) if g.guard is not None else None
+                last = host[-1]
+                saveable = not float(last["skipped"]) and math.isfinite(float(last["param_norm"]))
+                if verdict is not None:
+                    rollbacks += 1
+                    if g.rollback is None or rollbacks > g.max_rollbacks:
+                        why = ("this objective has no rollback" if g.rollback is None else
+                               f"already rolled back {g.max_rollbacks} times (train.max_rollbacks)")
+                        raise RunFailed(f"{verdict.line}; {why}; stopping")
+                    state = None                     # free it before the checkpoint is read
+                    state, batches, to = g.rollback(verdict.first, done)
+                    g.guard.alerts("rollback", done, f"rolled back to the checkpoint of step {to} after the "
+                                                     f"{verdict.kind.replace('_', ' ')} at step {verdict.last}, and "
+                                                     f"skipped the batches of steps {to + 1}-{done}",
+                                   {"reason": verdict.kind, "to_step": to, "skipped_batches": [to + 1, done]})
+                    g.guard.forget_after(to)
+                    window, saveable, step = [], True, to
+                    last_t, last_step, wait = time.time(), to, 0.0
+                    if g.watchdog is not None:
+                        g.watchdog.mark(to)
+                    continue
+                window += host
+                if g.watchdog is not None:
+                    g.watchdog.mark(done)
+            if log_now:
+                vals = summarise(window)
                 window = []
                 now = time.time()
-                vals["step_time"] = (now - last_t) / max(done - last_step, 1)
-                vals["tokens_per_s"] = tokens_per_step / max(vals["step_time"], 1e-9)
-                vals["mfu"] = flops_per_token * vals["tokens_per_s"] / peak_flops
-                last_t, last_step = now, done
+                steps = done - last_step
+                if steps:
+                    vals["step_time"] = (now - last_t) / steps
+                    vals["data_wait"] = wait / steps
+                    vals["tokens_per_s"] = tokens_per_step / max(vals["step_time"], 1e-9)
+                    vals["mfu"] = flops_per_token * vals["tokens_per_s"] / peak_flops
+                else:      # the window held only the compiling step: nothing timed yet
+                    vals.update(step_time=math.nan, data_wait=math.nan, tokens_per_s=math.nan, mfu=math.nan)
+                if g.guard is not None:
+                    vals.update(g.guard.stats())
+                last_t, last_step, wait = now, done, 0.0
                 writer.write(done, vals)
                 progress.log(done, vals)
-            asked = stop.agreed()
+                if g.exporter is not None:
+                    g.exporter.log(done, vals)
+                if g.watchdog is not None and steps:
+                    g.watchdog.step_time(vals["step_time"])
             paused = time.time()
             if evaluator is not None and eval_every and done % eval_every == 0 and done < total:
-                evaluator(state, done)
+                ev = evaluator(state, done)
+                if g.exporter is not None and ev:
+                    g.exporter.eval(done, ev)
             if asked or (done == end < total):
                 stopped = asked or "train.stop_at"
                 break
-            if checkpointer.should_save(done):
-                checkpointer.save(state, batches, meta=save_meta)
+            if save_now:
+                if saveable:
+                    t_save = time.time()
+                    checkpointer.save(state, batches, meta=save_meta)
+                    if g.exporter is not None:
+                        g.exporter.checkpoint_saved(done, time.time() - t_save)
+                else:
+                    log_line(f"note: checkpoint of step {done} not written: the step was bad (skipped update "
+                             f"or non-finite parameters)")
+            if g.watchdog is not None and time.time() - paused > 1.0:
+                g.watchdog.mark(done)        # an eval or a save is progress too
             last_t += time.time() - paused
+            step = done
     finally:
         stop.restore()
         progress.close()
-    return Result(state, compile_s, stopped)
+    return Result(state, compile_s, stopped, batches, saveable)

@@ -40,7 +40,7 @@ from flax import nnx
 
 from r1jax import config as configlib
 from r1jax import weights
-from r1jax.checkpoint.manager import Checkpointer
+from r1jax.checkpoint.manager import CheckpointCorrupt, Checkpointer
 from r1jax.config import Config, ConfigError, DataSource, ObjectiveKind
 from r1jax.data import chat, sft, tasks
 from r1jax.data import tokenizer as toklib
@@ -50,7 +50,7 @@ from r1jax.model.params import count as count_params
 from r1jax.parallel import distributed
 from r1jax.parallel import mesh as meshlib
 from r1jax.parallel import pipeline
-from r1jax.train import loop, mfu, objectives, optim
+from r1jax.train import guard, loop, mfu, objectives, optim
 from r1jax.train import state as statelib
 from r1jax.train.metrics import MetricsWriter, log_line
 from r1jax.train.step import make_eval_step, make_train_step
@@ -112,6 +112,16 @@ def _source_tokenizer(cfg: Config) -> Path | None:
                 if p.is_file():
                     return p
     return None
+
+
+def chat_tokenizer(cfg: Config, run_dir: Path, texts: list[str]):
+    """(tokenizer, chat template) of a chat run (SFT, distillation, GRPO): the tokenizer as
+    `_tokenizer` finds or trains it (with R1's markers and think tags as whole tokens), and the
+    template of the directory it came from when that has one, else R1's."""
+    tok = _tokenizer(cfg, run_dir, texts, chat.MARKERS, chat.THINK)
+    where = cfg.data.tokenizer or _source_tokenizer(cfg)
+    return tok, chat.for_directory(None if where is None else Path(where).parent if Path(where).is_file()
+                                   else Path(where))
 
 
 def teacher_logits(cfg: Config, mesh) -> Callable[[dict], jax.Array]:
@@ -195,9 +205,7 @@ def _sft_data(cfg: Config, run_dir: Path) -> Data:
     else:
         examples = sft.read(d.paths)
     texts = [" ".join(m["content"] for m in ex["messages"]) for ex in examples]
-    tok = _tokenizer(cfg, run_dir, texts, chat.MARKERS, chat.THINK)
-    where = d.tokenizer or _source_tokenizer(cfg)
-    template = chat.for_directory(None if where is None else Path(where).parent if Path(where).is_file() else Path(where))
+    tok, template = chat_tokenizer(cfg, run_dir, texts)
     split = split_documents(len(examples), d.eval_fraction, t.seed)
     where_from = f"task {d.task}" if d.source is DataSource.task else f"{len(d.paths)} file(s)"
     log_line(f"sft: {len(examples)} chat records from {where_from}, {len(split.eval)} held out; template "
@@ -257,6 +265,73 @@ def _data_start(cfg: Config, ckpt: Checkpointer, step: int | None) -> tuple[dict
     return {"data_seed": new_seed, "data_shards": shards}, False
 
 
+def _restore_step(cfg: Config, ckpt: Checkpointer, data: Data, abstract: dict, step: int):
+    """(state, data iterator, data meta) of checkpoint `step`; the iterator is restored with it
+    when the data stream was read the same way (`_data_start`)."""
+    data_meta, restore_data = _data_start(cfg, ckpt, step)
+    data_iter = _train_batches(cfg, data, data_meta)
+    try:
+        state, meta, note = ckpt.restore(step, abstract, data_iter if restore_data else None)
+    except BaseException:
+        if hasattr(data_iter, "close"):
+            data_iter.close()
+        raise
+    if note:
+        log_line(note)
+    # what a rollback skipped stays on record in every later checkpoint
+    data_meta.update({k: meta[k] for k in ("skipped_batches", "rollbacks") if k in meta})
+    return state, data_iter, data_meta
+
+
+def _resume(cfg: Config, ckpt: Checkpointer, data: Data, abstract: dict):
+    """The newest checkpoint that restores whole. A corrupted or truncated one is named, kept on
+    disk, and passed over for the one before it."""
+    steps = ckpt.steps()
+    for i, step in enumerate(steps):
+        try:
+            state, data_iter, data_meta = _restore_step(cfg, ckpt, data, abstract, step)
+        except CheckpointCorrupt as e:
+            nxt = f"falling back to step {steps[i + 1]}" if i + 1 < len(steps) else "no older checkpoint is left"
+            log_line(f"checkpoint: step {step} in {ckpt.directory} cannot be restored ({e}); {nxt}")
+            continue
+        log_line(f"resumed from {ckpt.directory / str(step)} (step {step})")
+        return state, data_iter, data_meta
+    raise loop.RunFailed(f"no checkpoint in {ckpt.directory} can be restored (tried steps "
+                         f"{', '.join(map(str, steps))}); move the directory away to start afresh")
+
+
+def _local_rank() -> int:
+    """This process's index among the processes on its host (SLURM's or r1jax.launch's)."""
+    import os
+    return int(os.environ.get("SLURM_LOCALID") or os.environ.get("R1JAX_LOCAL_RANK") or 0)
+
+
+def _guarding(cfg: Config, run_dir: Path, writer: MetricsWriter, rollback) -> loop.Guarding:
+    """The loop's guard against bad steps and spikes, its alerts, fire drills, watchdog and the
+    Prometheus exporter (when train.metrics_port is set)."""
+    t = cfg.train
+    exporter = None
+    if t.metrics_port:
+        from r1jax.train.exporter import TrainExporter
+        exporter = TrainExporter(t.metrics_host, t.metrics_port + _local_rank(), process_index=jax.process_index(),
+                                 process_count=jax.process_count(), run_dir=str(run_dir))
+        log_line(f"metrics: http://{t.metrics_host}:{exporter.port}/metrics")
+    alerts = guard.Alerts(t.alert_command, str(run_dir), writer, exporter)
+    watchdog = (guard.Watchdog(t.watchdog_factor, t.watchdog_min_s, t.watchdog_stacks, t.log_every, alerts)
+                if t.watchdog_factor else None)
+    faults = guard.Faults(t.inject_faults, cfg.model.vocab_size, t.seed, watchdog) if t.inject_faults else None
+    return loop.Guarding(guard=guard.Guard(t, alerts), faults=faults, rollback=rollback,
+                         max_rollbacks=t.max_rollbacks, exporter=exporter, watchdog=watchdog)
+
+
+def _close_guarding(g: loop.Guarding) -> None:
+    if g.watchdog is not None:
+        g.watchdog.close()
+    g.guard.alerts.close()
+    if g.exporter is not None:
+        g.exporter.close()
+
+
 def trainable_line(cfg: Config, state: dict) -> str:
     """What the optimizer trains, counted from the state (pipeline padding slots included)."""
     def count(tree):
@@ -289,18 +364,23 @@ def train(cfg: Config, run_dir: str | Path) -> dict[str, float]:
     t, d, m = cfg.train, cfg.data, cfg.model
     layout = pipeline.mesh_layout(cfg, mesh)
     ckpt = Checkpointer(run_dir / "checkpoints", every=cfg.checkpoint.every, keep=cfg.checkpoint.keep,
-                        model_cfg=m, layout=layout, lora=cfg.lora)
+                        model_cfg=m, layout=layout, lora=cfg.lora, on_error=cfg.checkpoint.on_error,
+                        log=log_line)
     resume = ckpt.latest_step()
     if resume is not None:
         ckpt.check_model()          # before anything in the run directory is written
+        finished = run_dir / "final.json"
+        if resume >= t.steps and finished.is_file():
+            log_line(f"{run_dir} is already complete: step {resume} of train.steps={t.steps} ({finished}); nothing "
+                     f"to do (to train on, raise train.steps)")
+            ckpt.close()
+            return {**json.loads(finished.read_text()), "already_complete": True}
     if jax.process_index() == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(configlib.dump_yaml(cfg))
     data = _sft_data(cfg, run_dir) if sft_run else _lm_data(cfg, run_dir)
     log_line(f"mesh {dict(mesh.shape)}")
 
-    data_meta, restore_data = _data_start(cfg, ckpt, resume)
-    data_iter = _train_batches(cfg, data, data_meta)
     n = count_params(m)
     log_line(f"model: {n.main / 1e6:.1f}M parameters (+{n.mtp / 1e6:.1f}M MTP), {n.activated / 1e6:.1f}M "
              f"activated per token; compute {t.dtype.value}, remat {t.remat.value}, grad_accum {t.grad_accum}")
@@ -314,13 +394,12 @@ def train(cfg: Config, run_dir: str | Path) -> dict[str, float]:
         log_line("note: remat=offload on CPU: device memory is host memory, so offloading saves nothing here")
     tx = optim.make(cfg.optim, t.steps)
     graphdef, target = weights.target(cfg, mesh, layout)
+    abstract, shardings = statelib.abstract(target, tx, cfg, mesh)
     if resume is not None:
-        abstract, shardings = statelib.abstract(target, tx, cfg, mesh)
-        state, _, note = ckpt.restore(resume, abstract, data_iter if restore_data else None)
-        if note:
-            log_line(note)
-        log_line(f"resumed from {run_dir / 'checkpoints' / str(resume)} (step {resume})")
+        state, data_iter, data_meta = _resume(cfg, ckpt, data, abstract)
     else:
+        data_meta, _ = _data_start(cfg, ckpt, None)
+        data_iter = _train_batches(cfg, data, data_meta)
         state, shardings = statelib.create(weights.initial(cfg, mesh, layout, log=log_line), tx, cfg, mesh)
     del target
     log_line(trainable_line(cfg, state))
@@ -338,6 +417,26 @@ def train(cfg: Config, run_dir: str | Path) -> dict[str, float]:
         return batch
 
     writer = MetricsWriter(run_dir, t.steps)
+
+    def rollback(first_bad: int, done: int):
+        """The newest checkpoint before `first_bad`, with the batches of the steps after it up to
+        `done` skipped (and recorded in the checkpoint meta from now on)."""
+        nonlocal data_iter
+        ckpt.wait()
+        good = [s for s in ckpt.steps() if s < first_bad]
+        if not good:
+            raise loop.RunFailed(f"bad steps from step {first_bad} on and no checkpoint before it to roll back to "
+                                 f"(checkpoint.every={cfg.checkpoint.every})")
+        if hasattr(data_iter, "close"):
+            data_iter.close()
+        state, data_iter, meta = _restore_step(cfg, ckpt, data, abstract, good[0])
+        for _ in range(done - good[0]):
+            next(data_iter)
+        data_meta.update(skipped_batches=[*meta.get("skipped_batches", []), [good[0] + 1, done]],
+                         rollbacks=meta.get("rollbacks", 0) + 1)
+        return state, data_iter, good[0]
+
+    guarding = _guarding(cfg, run_dir, writer, rollback)
     evaluator = None
     if t.eval_batches and data.eval:
         evaluator = loop.Evaluator(make_eval_step(graphdef, cfg, mesh, shardings, objective),
@@ -356,20 +455,29 @@ def train(cfg: Config, run_dir: str | Path) -> dict[str, float]:
                                                           sharding=bsharding)
         step_fn.lower(state, spec).compile()
         distributed.barrier("r1jax: train step compiled")
-    result = loop.run(step_fn, state, data_iter, place=place, start=start, end=end, total=t.steps,
-                      log_every=t.log_every, writer=writer, checkpointer=ckpt, save_meta=data_meta,
-                      evaluator=evaluator, eval_every=t.eval_every, tokens_per_step=t.global_batch_size * d.seq_len,
-                      flops_per_token=mfu.flops_per_token(m, d.seq_len), peak_flops=peak,
-                      block_each_step=len(devices) > 1 and devices[0].platform == "cpu")   # CPU collective starvation
-    state, stopped = result.state, result.stopped
+    try:
+        result = loop.run(step_fn, state, data_iter, place=place, start=start, end=end, total=t.steps,
+                          log_every=t.log_every, writer=writer, checkpointer=ckpt, save_meta=data_meta,
+                          evaluator=evaluator, eval_every=t.eval_every, tokens_per_step=t.global_batch_size * d.seq_len,
+                          flops_per_token=mfu.flops_per_token(m, d.seq_len), peak_flops=peak,
+                          block_each_step=len(devices) > 1 and devices[0].platform == "cpu",   # CPU collective starvation
+                          guarding=guarding)
+    except BaseException:
+        _close_guarding(guarding)
+        writer.close()
+        raise
+    state, stopped, data_iter = result.state, result.stopped, result.batches
 
-    final = {k: v for k, v in (writer.records[-1] if writer.records else {}).items() if k != "step"}
+    final = {k: v for k, v in writer.last("train").items() if k != "step"}
     done = int(state["step"])
     if stopped is None and evaluator is not None:
         final.update({f"eval_{k}": v for k, v in evaluator(state, done).items()})
-    if ckpt.latest_step() != done:
+    if ckpt.latest_step() != done and result.saveable:
         ckpt.save(state, data_iter, meta=data_meta, force=True)
+    elif not result.saveable:
+        log_line(f"note: the last step ({done}) was bad; the final checkpoint is not written")
     ckpt.close()
+    _close_guarding(guarding)
     if hasattr(data_iter, "close"):
         data_iter.close()          # stops mp_prefetch workers cleanly
     writer.plot(run_dir / "loss.png")
