@@ -212,8 +212,7 @@ def run(step_fn: Callable, state, batches: Iterator[dict], *, place: Callable[[d
                     vals["data_wait"] = wait / steps
                     vals["tokens_per_s"] = tokens_per_step / max(vals["step_time"], 1e-9)
                     vals["mfu"] = flops_per_token * vals["tokens_per_s"] / peak_flops
-                else:      # the window held only the compiling step: nothing timed yet
-                    vals.update(step_time=math.nan, data_wait=math.nan, tokens_per_s=math.nan, mfu=math.nan)
+                # else the window held only the compiling step: nothing is timed, so no timing keys
                 if g.guard is not None:
                     vals.update(g.guard.stats())
                 last_t, last_step, wait = now, done, 0.0

@@ -156,7 +156,7 @@ def _line(step: int, total: int, v: dict, eta: float | None, mfu_approx: bool = 
     if "reward_mean" in v:                    # GRPO (r1jax/rl/grpo.py)
         parts.append(f"reward {v['reward_mean']:.3f} (len {v['completion_len']:.1f})")
     parts += [f"lr {v['lr']:.2e}", f"gnorm {v['grad_norm']:.3f}"]
-    if math.isfinite(v.get("tokens_per_s", math.nan)):     # NaN: the window held only the compiling step
+    if "tokens_per_s" in v:      # absent when the window held only the compiling step
         parts.append(f"{v['tokens_per_s']:.0f} tok/s")
     if math.isfinite(v.get("mfu", math.nan)):
         parts.append(f"mfu {'~' if mfu_approx else ''}{100 * v['mfu']:.1f}%")
