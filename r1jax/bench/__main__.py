@@ -16,7 +16,6 @@ import datetime
 import importlib.util
 import json
 import os
-import platform
 import sys
 import tempfile
 from pathlib import Path
@@ -24,16 +23,7 @@ from pathlib import Path
 from r1jax import config as configlib
 from r1jax.bench import worker
 from r1jax.config import ConfigError, DType
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+from r1jax.train import mfu
 
 
 def _check_comparable(cfg: configlib.Config) -> None:
@@ -100,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         from r1jax.bench import generation
         prefix = Path(args.out) if args.out else Path("bench") / "results" / f"generate_{Path(args.config).stem}"
         result = generation.run(args, cfg, threads, cpus)
-        result.update(machine=f"{_cpu_model()}, {os.cpu_count()} CPUs", config_name=Path(args.config).name,
+        result.update(machine=f"{mfu.cpu_model()}, {os.cpu_count()} CPUs", config_name=Path(args.config).name,
                       date=datetime.datetime.now().astimezone().isoformat(timespec="minutes"),
                       command="python -m r1jax.bench " + " ".join(argv if argv is not None else sys.argv[1:]))
         paths = generation.write(result, prefix)
@@ -113,7 +103,6 @@ def main(argv: list[str] | None = None) -> int:
 
     from r1jax.bench import report
     from r1jax.bench.workload import batches
-    from r1jax.train import mfu
 
     stem = Path(args.config).stem
     prefix = Path(args.out) if args.out else Path("bench") / "results" / f"bench_{stem}"
@@ -170,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python -m r1jax.bench " + " ".join(argv if argv is not None else sys.argv[1:]),
         "date": datetime.datetime.now().astimezone().isoformat(timespec="minutes"),
         "config": args.config, "config_name": Path(args.config).name, "overrides": args.overrides,
-        "machine": f"{_cpu_model()}, {os.cpu_count()} CPUs, {first['devices']}, "
+        "machine": f"{mfu.cpu_model()}, {os.cpu_count()} CPUs, {first['devices']}, "
                    + ", ".join(f"{k} {v}" for k, v in versions.items()),
         "threads": threads, "threads_note": threads_note, "batch": [B, T], "tokens_per_step": B * T,
         "warmup": args.warmup, "steps": args.steps, "flops_per_token": flops_token, "peak_flops": peak,

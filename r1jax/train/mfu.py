@@ -59,7 +59,8 @@ def measured_cpu_peak(trials: int = 8, seconds: float = 0.1) -> float:
     return best
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """This host's CPU model name (what bench results and the CPU-peak cache are keyed by)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -78,7 +79,7 @@ def cached_cpu_peak() -> tuple[float, str]:
     """(this host's measured CPU peak, how): from the cache when it holds this host's, else measured
     now and stored (a cache that cannot be read or written only costs a measurement)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    key = f"{platform.node()} | {_cpu_model()} | {cores} cores | jax {jax.__version__}"
+    key = f"{platform.node()} | {cpu_model()} | {cores} cores | jax {jax.__version__}"
     path = cpu_peak_cache()
     try:
         table = json.loads(path.read_text())
