@@ -42,6 +42,7 @@ import json
 import math
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -92,6 +93,7 @@ class Checkpointer:
         self._verified: set[int] = set()
         self._corrupt: set[int] = set()         # steps that failed a check: set aside at the next save
         self._failed_step: int | None = None    # the step whose save failed last
+        self._leftovers: set[int | None] = set()  # failed steps to sweep again before the next save
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, enable_async_checkpointing=True, cleanup_tmp_directories=True,
             save_decision_policy=ocp.checkpoint_managers.FixedIntervalPolicy(every),
@@ -181,6 +183,8 @@ class Checkpointer:
         self._settle()
         if not (force or self.mngr.should_save(step)) or step == self._failed_step:
             return                    # a step that just failed is not tried twice (one line each)
+        while self._leftovers and jax.process_index() == 0:
+            self._sweep(f"{self._leftovers.pop()}.orbax-checkpoint-tmp*")   # a straggler's files
         self._set_aside_corrupt()
         self._verified.discard(step)   # a step number written anew (after a rollback) is checked anew
         problem = integrity.agree(self._probe())
@@ -217,6 +221,8 @@ class Checkpointer:
                 self.mngr.close()
             raise
         self.mngr.close()
+        while self._leftovers and jax.process_index() == 0:
+            self._sweep(f"{self._leftovers.pop()}.orbax-checkpoint-tmp*")
 
     # ----------------------------------------------------------------------------- faults
     def _record_files(self) -> None:
@@ -268,9 +274,9 @@ class Checkpointer:
     def _failed(self, step: int | None, why: str) -> None:
         """A save that did not commit: its partial directory goes; then stop or go on."""
         self._failed_step = step
+        self._leftovers.add(step)
         if jax.process_index() == 0:
-            for tmp in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
-                shutil.rmtree(tmp, ignore_errors=True)
+            self._sweep(f"{step}.orbax-checkpoint-tmp*")
         try:
             self.mngr.reload()        # Orbax forgot the step it meant to delete after this one
         except Exception:
@@ -281,6 +287,19 @@ class Checkpointer:
         if self.on_error is OnError.stop:
             raise CheckpointWriteError(f"{line} (checkpoint.on_error=stop)")
         self.log(f"{line}; training goes on and the next save tries again (checkpoint.on_error=continue)")
+
+    def _sweep(self, pattern: str) -> None:
+        """Remove the partial directories matching `pattern`. A failed write's tensorstore
+        threads can still create files after Orbax has raised (CI once found a directory left
+        behind), so remove until none has reappeared for 0.2 s; 10 s at most."""
+        deadline, clean = time.monotonic() + 10, 0
+        while clean < 2 and time.monotonic() < deadline:
+            found = list(self.directory.glob(pattern))
+            for tmp in found:
+                shutil.rmtree(tmp, ignore_errors=True)
+            clean = 0 if found else clean + 1
+            if clean < 2:
+                time.sleep(0.1)
 
     def _check(self, step: int) -> None:
         """CheckpointCorrupt unless step `step`'s files are as they were written."""
