@@ -34,7 +34,7 @@ LONGEST_FIRST := tests/test_mesh.py tests/test_multiprocess.py tests/test_train.
 	tests/test_attention.py tests/test_plan.py tests/test_parity.py tests/test_generator.py \
 	tests/test_lora.py tests/test_plain_nnx.py tests/test_serve.py tests/test_quant.py tests/test_export.py tests/test_kd.py \
 	tests/test_mtp.py tests/test_generate_cli.py tests/test_distill.py tests/test_faults.py tests/test_run_records.py \
-	tests/test_convert.py tests/test_train_monitoring.py
+	tests/test_convert.py tests/test_train_monitoring.py tests/test_zero1.py tests/test_moe_alltoall.py
 TEST_FILES := $(LONGEST_FIRST) $(filter-out $(LONGEST_FIRST),$(sort $(wildcard tests/test_*.py)))
 
 test: $(VENV)/.installed-test

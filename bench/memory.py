@@ -136,7 +136,10 @@ def measure(overrides: list[str], config: str | Path = TINY, compile: bool = Tru
             for k in ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
                       "generated_code_size_in_bytes"):
                 out[k.removesuffix("_size_in_bytes") + "_bytes"] = int(getattr(ma, k))
-            out["batch_bytes_per_device"] = 3 * (B // math.prod(bs.mesh.shape[a] for a in ("data", "fsdp", "expert"))) * T * 4
+            ca = compiled.cost_analysis()
+            out["flops"] = float((ca[0] if isinstance(ca, list) else ca).get("flops", 0.0))
+            out["batch_bytes_per_device"] = 3 * (B // math.prod(bs.mesh.shape[a] for a in ("data", "fsdp", "expert",
+                                                                                          "pipeline"))) * T * 4
             del compiled, step
         del state
     except Exception as e:  # noqa: BLE001 - recorded in the table, the bench goes on

@@ -47,6 +47,7 @@ class MoEDispatch(str, enum.Enum):
     gather = "gather"      # each pair's expert weights gathered: decode-sized batches
     dense = "dense"        # every expert on every token in one batched product (E/k x FLOPs, no copies)
     grouped = "grouped"    # per expert, a loop over its own tiles, weights read in place (inference only)
+    alltoall = "alltoall"  # expert parallel: all_to_all into per-shard buffers, dropless at the owner
 
 
 class AttentionImpl(str, enum.Enum):
@@ -229,6 +230,8 @@ class KernelConfig:
     moe_dispatch: MoEDispatch = MoEDispatch.auto
     moe_tile_size: int = 64            # rows per expert tile for moe_dispatch=dropless
     capacity_factor: float = 1.25      # only for moe_dispatch=capacity
+    moe_buffer_factor: float = 0.0     # moe_dispatch=alltoall: pairs one shard sends another, x the balanced
+                                       # T*k/ep; 0: min(ep, E/k), which never drops
 
 
 @dataclasses.dataclass(frozen=True)
@@ -307,12 +310,30 @@ class GRPOConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """Device mesh sizes; one axis may be -1, meaning all remaining devices."""
+    """Device mesh sizes; one axis may be -1, meaning all remaining devices.
+
+    `dcn_<axis>`: how many nodes (processes: r1jax runs one per node, or one per GPU) the axis
+    spans; the rest of it, <axis> / dcn_<axis>, stays inside each one, on its fast links. All 1
+    (the default): devices are laid out in `jax.devices()` order, the first axis outermost. See
+    r1jax/parallel/mesh.py."""
     data: int = -1
     fsdp: int = 1
     tensor: int = 1
     expert: int = 1
     pipeline: int = 1
+    dcn_data: int = 1
+    dcn_fsdp: int = 1
+    dcn_tensor: int = 1
+    dcn_expert: int = 1
+    dcn_pipeline: int = 1
+
+
+MESH_AXES = ("data", "fsdp", "tensor", "expert", "pipeline")
+
+
+def dcn_sizes(mesh: MeshConfig) -> dict[str, int]:
+    """{axis: nodes it spans} (mesh.dcn_<axis>)."""
+    return {a: getattr(mesh, f"dcn_{a}") for a in MESH_AXES}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -344,6 +365,7 @@ class OptimConfig:
     weight_decay: float = 0.1
     clip_norm: float = 1.0             # global-norm clipping; 0 disables
     moment_dtype: DType = DType.fp32   # storage of AdamW's mu and nu: fp32 or bf16 (DeepSeek-V3's choice)
+    zero1: bool = False                # ZeRO-1: shard moments and fp32 masters over mesh.data too
     bias_update_rate: float = 0.001    # gamma of the aux-loss-free router-bias update (0: frozen)
 
 
@@ -658,6 +680,9 @@ def validate_kernels(k: KernelConfig) -> None:
     for name in ("attention_block", "moe_tile_size"):
         _need(getattr(k, name) > 0, f"kernels.{name}={getattr(k, name)}: must be a positive integer")
     _need(k.capacity_factor > 0, f"kernels.capacity_factor={k.capacity_factor}: must be > 0")
+    _need(k.moe_buffer_factor == 0 or k.moe_buffer_factor >= 1,
+          f"kernels.moe_buffer_factor={k.moe_buffer_factor}: must be >= 1 (x the balanced load), or 0 for the "
+          f"size that never drops")
     _need(k.moe_dispatch is not MoEDispatch.grouped,
           "kernels.moe_dispatch=grouped: inference only (no gradient); training takes auto, dropless, ragged, "
           "capacity, loop, gather or dense (infer.moe_decode may name grouped)")
@@ -707,9 +732,13 @@ def validate(cfg: Config) -> None:
     _need(o.bias_update_rate >= 0, f"optim.bias_update_rate={o.bias_update_rate}: must be >= 0")
     moe_used = m.num_moe_layers > 0 or m.num_nextn_predict_layers > 0
 
-    axes = {f.name: getattr(mesh, f.name) for f in dataclasses.fields(MeshConfig)}
+    axes = {a: getattr(mesh, a) for a in MESH_AXES}
     for k, v in axes.items():
         _need(v == -1 or v >= 1, f"mesh.{k}={v}: must be a positive integer or -1 (the rest)")
+    for k, v in dcn_sizes(mesh).items():
+        _need(v >= 1, f"mesh.dcn_{k}={v}: must be a positive integer (the nodes mesh.{k} spans)")
+        _need(axes[k] == -1 or axes[k] % v == 0,
+              f"mesh.dcn_{k}={v}: must divide mesh.{k} ({axes[k]}); the rest of the axis stays inside a node")
     _need(sum(v == -1 for v in axes.values()) <= 1,
           f"mesh: at most one axis may be -1; got {[k for k, v in axes.items() if v == -1]}")
     if mesh.tensor > 1:
@@ -797,9 +826,10 @@ def validate(cfg: Config) -> None:
     _need(t.global_batch_size % t.grad_accum == 0,
           f"train.global_batch_size={t.global_batch_size}: must be divisible by train.grad_accum ({t.grad_accum})")
     batch_shards = math.prod(v for k, v in axes.items() if k in ("data", "fsdp", "expert") and v > 0)
-    _need((t.global_batch_size // t.grad_accum) % batch_shards == 0,
+    row_shards = batch_shards * max(axes["pipeline"], 1)     # outside the stages the batch is over pipeline too
+    _need((t.global_batch_size // t.grad_accum) % row_shards == 0,
           f"train.global_batch_size={t.global_batch_size}: each of the {t.grad_accum} microbatches must be "
-          f"divisible by the batch shards mesh.data x mesh.fsdp x mesh.expert ({batch_shards})")
+          f"divisible by the batch shards mesh.data x mesh.fsdp x mesh.expert x mesh.pipeline ({row_shards})")
     _need(t.microbatches >= 1, f"train.microbatches={t.microbatches}: must be a positive integer")
     per_micro = t.global_batch_size // t.grad_accum
     _need(per_micro % t.microbatches == 0 and (per_micro // t.microbatches) % batch_shards == 0,
@@ -853,7 +883,7 @@ def validate(cfg: Config) -> None:
 
 def resolve_mesh_shape(mesh: MeshConfig, num_devices: int) -> dict[str, int]:
     """Mesh axis sizes with -1 filled in; ConfigError when they cannot cover `num_devices`."""
-    axes = {f.name: getattr(mesh, f.name) for f in dataclasses.fields(MeshConfig)}
+    axes = {a: getattr(mesh, a) for a in MESH_AXES}
     fixed = math.prod(v for v in axes.values() if v != -1)
     free = [k for k, v in axes.items() if v == -1]
     if free:

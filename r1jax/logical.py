@@ -49,7 +49,19 @@ def spec(*names: str | None) -> PartitionSpec:
     unknown = [n for n in names if n is not None and n not in rules]
     if unknown:
         raise ValueError(f"logical axis '{unknown[0]}' has no rule (known: {', '.join(rules)})")
-    return PartitionSpec(*(None if n is None else rules[n] for n in names))
+    manual = set(jax.sharding.get_abstract_mesh().manual_axes)
+    return PartitionSpec(*(None if n is None else _without(rules[n], manual) for n in names))
+
+
+def _without(entry, manual: set[str]):
+    """A rule's mesh axes less those manual here: inside a shard_map over `pipeline` (the
+    pipeline's stages) the batch is whole over it, though outside it is sharded over it too."""
+    if not manual or entry is None:
+        return entry
+    if isinstance(entry, str):
+        return None if entry in manual else entry
+    kept = tuple(a for a in entry if a not in manual)
+    return kept or None
 
 
 def mesh_axes(name: str) -> tuple[str, ...]:

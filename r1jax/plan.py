@@ -1,7 +1,13 @@
-"""Capacity planner: per-device memory of r1jax's train step, and the MLA KV cache, for a mesh and GPU.
+"""Capacity planner: per-device memory and communication of r1jax's train step and the MLA KV cache on a GPU mesh.
 
-    python -m r1jax.plan --config C --mesh data=2,expert=64,pipeline=16 --hardware h100-80gb --nodes 256
-                         [--json PATH] [--check] [--no-search] [section.key=value ...]
+    python -m r1jax.plan --config C [--mesh data=2,expert=64,pipeline=16,dcn_data=2,dcn_expert=8,dcn_pipeline=16]
+                         --hardware h100-80gb --nodes 256 [--json PATH] [--check] [--no-search] [section.key=value ...]
+
+The mesh is --mesh's (axes it does not name are 1; they replace the config's mesh.* before the
+config is validated) or, without --mesh, the config's own mesh.* after the overrides, a -1 axis
+filled from --nodes x GPUs per node. `dcn_<axis>` (mesh.dcn_<axis>) is how many nodes the axis
+spans, as r1jax.parallel.mesh.make_mesh lays devices out; all 1: in jax.devices() order, the
+first axis (data) outermost, so the innermost axes fill a node first.
 
 Nothing is allocated: each parameter's shape, dtype and logical axis names come from
 `r1jax.model.abstract` (no mesh), and its per-device shard from `LOGICAL_RULES` and the
@@ -18,6 +24,49 @@ planned mesh sizes, by arithmetic (a 2048-device mesh is never built). What is c
   layer running. `_phases` lists the live bytes at each point of the step (forward through the
   dense, MoE and MTP blocks, loss, backward, optimizer); the peak is the largest, times `PACKING`;
 - inference: the MLA latent KV cache, (kv_lora_rank + qk_rope_head_dim) x layers x 2 bytes a token.
+
+ZeRO-1 (optim.zero1): the fp32 masters and Adam's moments of each trainable leaf are split further
+over `data` (and `expert` for leaves not split over it) where r1jax.train.state.zero1_spec puts
+them (the first dimension that divides; a leaf no dimension of which divides keeps its model
+shard); the gradients stay a whole model-sharded fp32 set, and the step holds the masters
+gathered back to the model's sharding (fp32, as r1jax/train/step.py gathers them) until the
+optimizer runs.
+
+Communication (`communication`): the bytes each device moves per optimizer step over each mesh
+axis of size > 1, and where. An axis's groups sit on `inside` GPUs of each of `nodes` nodes,
+read off the device layout (`_node_grid`: make_mesh's order or its node-aware `hybrid_order`);
+a group inside one node uses NVLink, one that spans nodes InfiniBand (IB). Collectives are rings,
+hierarchical across nodes (n = inside x nodes; S the array; bytes one device moves):
+    all-reduce        NVLink 2(inside-1)/inside S,  IB 2(nodes-1)/nodes S/inside     (2(n-1)/n S on one link)
+    all-gather / reduce-scatter   (inside-1)/inside S,  (nodes-1)/nodes S/inside        ((n-1)/n S)
+    all-to-all (S sent)           (inside-1)/n S,       (n-inside)/n S
+    permute (S sent)              S over NVLink, or over IB when the group spans nodes
+Per axis (A = grad_accum; M = pipeline microbatches; passes = 2, forward and backward, + 1 when
+train.remat recomputes the forward; D hidden, dt the compute dtype's bytes; tok = this device's
+tokens per step = global batch / (data x fsdp x expert) x seq):
+    fsdp      all-gather of every part's weights in dt, FSDP_GATHERS = 2 times (forward, backward:
+              a recomputed forward reuses the backward's gather), and reduce-scatter of their
+              fp32 gradients, A times (the pipelined MoE stack A x M times);
+    data, fsdp, expert (the batch axes)
+              all-reduce of the fp32 gradients of the leaves each does not split, once per step;
+              over several axes axis by axis, the one with most GPUs in a node first, each
+              later axis on the shards left (ZeRO-1's reduce-scatter + all-gather: the same bytes);
+    tensor    all-reduces of tok x D x dt, 2 a layer a pass, over the layers a device runs;
+    expert    dispatch + combine a MoE layer a pass: `capacity`'s all-to-all of its [E, C, D] dt
+              buffers (C = ceil(capacity_factor x tokens x k / E): about tokens x k x D x dt,
+              of which (n-1)/n leaves the device), or the dropless/ragged exchange's all-gather of
+              the expert group's tokens and reduce-scatter of their outputs (ep x tokens x D x dt);
+    pipeline  stage boundaries, rows x seq x D x dt a tick forward and backward (GPipe/circular:
+              M x repeats + P - 1 ticks, 1F1B: M) plus the all-reduce of the stack's output
+              (and of its input gradient) over the stages, A times.
+The compute lower bound is r1jax.train.mfu.flops_per_token (6 x activated parameters +
+attention; no remat recompute, no redundant pipeline prologue) x the step's tokens / devices,
+over the datasheet dense peak of the compute dtype (mfu.GPU_PEAKS). Nothing is assumed to
+overlap: every collective runs alone, IB and NVLink parts one after the other, so
+`comm_bound` (communication seconds > compute seconds) says the step is bound by communication
+even if all of it hid behind compute. Not counted: the head's softmax statistics over tensor,
+the router's weights and choices gathered by the dropless exchange, collective buffers, and any
+gradient all-reduce over `pipeline` (every stage computes the replicated parts' gradients whole).
 
 How the activation model was built: the inventory follows r1jax's code (mla.py, moe.py,
 dispatch.py, transformer.py, pipeline.py); how many copies of each tensor XLA keeps at each point
@@ -47,10 +96,29 @@ from typing import Any
 from r1jax import config as configlib
 from r1jax.config import AttentionImpl, Config, ConfigError, DType, MeshConfig, MoEDispatch, Remat, Schedule
 
-AXES = ("data", "fsdp", "tensor", "expert", "pipeline")
+AXES = configlib.MESH_AXES
 GPUS_PER_NODE = 8
-# device memory as nvidia-smi reports it (MiB), and the share the planner lets the step use
-HARDWARE_MIB = {"a100-80gb": 81920, "h100-80gb": 81559, "h200-141gb": 143771}
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """One GPU model as the planner sees it. Link rates are per GPU and direction: NVLink to the
+    GPUs of its node through the NVSwitches, InfiniBand to other nodes through its own NIC (the
+    usual one NIC per GPU)."""
+    mib: int                   # device memory as nvidia-smi reports it (MiB)
+    gpu: str                   # its row in r1jax.train.mfu.GPU_PEAKS (datasheet dense tensor-core peaks)
+    nvlink: float              # bytes/s inside a node
+    ib: float                  # bytes/s across nodes
+    gpus_per_node: int = GPUS_PER_NODE
+
+
+HARDWARE = {
+    "a100-80gb": Hardware(81920, "A100", 300e9, 25e9),      # NVLink 3 (600 GB/s both ways), HDR 200 Gb/s
+    "h100-80gb": Hardware(81559, "H100", 450e9, 50e9),      # NVLink 4 (900 GB/s both ways), NDR 400 Gb/s
+    "h200-141gb": Hardware(143771, "H200", 450e9, 50e9),
+}
+HARDWARE_MIB = {name: hw.mib for name, hw in HARDWARE.items()}
+# the share of the device the planner lets the step use
 RESERVE = 0.10       # CUDA context, NCCL buffers, XLA's allocator slack (set XLA_PYTHON_CLIENT_MEM_FRACTION=0.9)
 # XLA's temp over the live bytes at its peak: its heap packing leaves gaps. Measured 1.02-1.29 on
 # CPU (buffer assignments of 10 configs); the activation counts were fitted with this value.
@@ -93,13 +161,18 @@ def _lora(cfg: Config) -> configlib.LoraConfig | None:
     return dataclasses.replace(cfg.lora, targets=tuple(cfg.lora.targets)) if cfg.lora.rank else None
 
 
+def _as_axes(entry) -> tuple[str, ...]:
+    """A sharding entry (None, an axis, or a tuple of axes) as a tuple of mesh axes."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
 @functools.cache
 def _rule(name: str | None) -> tuple[str, ...]:
     """Mesh axes a logical axis name maps to under LOGICAL_RULES (first match wins)."""
     from r1jax.parallel.mesh import LOGICAL_RULES
     for key, axes in LOGICAL_RULES:
         if key == name:
-            return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+            return _as_axes(axes)
     return ()
 
 
@@ -109,15 +182,39 @@ def shard_shape(shape: tuple[int, ...], names: tuple[str | None, ...], mesh: dic
 
 
 @functools.lru_cache(maxsize=65536)
-def _shard_shape(shape, names, mesh_items) -> tuple[int, ...]:
+def _dim_axes(names: tuple[str | None, ...], mesh_items: tuple) -> DimAxes:
+    """The mesh axes (of size > 1) each dimension is split over; an axis an earlier dimension
+    uses is not used again."""
     mesh = dict(mesh_items)
     used: set[str] = set()
     out = []
-    for dim, name in zip(shape, names):
-        axes = [a for a in _rule(name) if a not in used and mesh.get(a, 1) > 1]
+    for name in names:
+        axes = tuple(a for a in _rule(name) if a not in used and mesh.get(a, 1) > 1)
         used.update(axes)
-        out.append(-(-dim // math.prod(mesh[a] for a in axes)))
+        out.append(axes)
     return tuple(out)
+
+
+DimAxes = tuple[tuple[str, ...], ...]       # per dimension, the mesh axes splitting it
+
+
+def _split_shape(shape: tuple[int, ...], dim_axes: DimAxes, mesh: dict[str, int]) -> tuple[int, ...]:
+    return tuple(-(-dim // math.prod(mesh[a] for a in axes)) for dim, axes in zip(shape, dim_axes))
+
+
+@functools.lru_cache(maxsize=65536)
+def _shard_shape(shape, names, mesh_items) -> tuple[int, ...]:
+    return _split_shape(shape, _dim_axes(names, mesh_items), dict(mesh_items))
+
+
+def _zero1_shape(shape: tuple[int, ...], dim_axes: DimAxes, mesh: dict[str, int]) -> tuple[int, ...]:
+    """One device's shard of a leaf's fp32 master and Adam moments under optim.zero1: the model
+    shard split further over data (and expert), where r1jax.train.state.zero1_spec puts them."""
+    from jax.sharding import PartitionSpec
+
+    from r1jax.train.state import zero1_spec
+    spec = zero1_spec(tuple(shape), PartitionSpec(*(axes or None for axes in dim_axes)), mesh)
+    return _split_shape(shape, tuple(_as_axes(e) for e in spec), mesh)
 
 
 def _layout(cfg: Config, mesh: dict[str, int]):
@@ -129,9 +226,19 @@ def _key(mesh: dict[str, int]) -> tuple:
     return tuple(sorted((a, v) for a, v in mesh.items() if v > 1))
 
 
+def _placed(model: configlib.ModelConfig, layout, lora=None):
+    """(leaf, shape, logical names) of every variable as the step holds it: the MoE stack in the
+    pipeline's slots (as pipeline.to_slots places it), sharded over `pipeline`."""
+    for leaf in leaves(model, lora):
+        shape, names = leaf.shape, leaf.names
+        if leaf.path.startswith("moe_layers/") and layout is not None:
+            shape, names = (layout.slots, *shape[1:]), ("stages", *names[1:])
+        yield leaf, shape, names
+
+
 def state_bytes(cfg: Config, mesh: dict[str, int]) -> dict[str, Any]:
     """Per-device bytes of the parameters, router biases and AdamW state, by part of the model."""
-    out = _state_bytes(cfg.model, _layout(cfg, mesh), _key(mesh), _lora(cfg))
+    out = _state_bytes(cfg.model, _layout(cfg, mesh), _key(mesh), _lora(cfg), cfg.optim.zero1)
     # AdamW's mu + nu are counted in fp32 below; optim.moment_dtype=bf16 halves them
     opt = (out["opt"] - 8) * _moment_bytes(cfg) // F32 + 8
     return {**out, "opt": opt, "by_part": dict(out["by_part"])}
@@ -142,27 +249,33 @@ def _moment_bytes(cfg: Config) -> int:
 
 
 @functools.lru_cache(maxsize=4096)
-def _state_bytes(model: configlib.ModelConfig, layout, mesh_key: tuple, lora=None) -> dict[str, Any]:
+def _state_bytes(model: configlib.ModelConfig, layout, mesh_key: tuple, lora=None, zero1: bool = False
+                 ) -> dict[str, Any]:
+    """`params`: the fp32 masters (ZeRO-1 shards with `zero1`); `grads`, `by_part` and
+    `largest_leaf`: the trainable leaves in the model's sharding (gradients, the compute copy);
+    `gathered`: with ZeRO-1, the masters gathered back to the model's sharding for the step
+    (r1jax/train/step.py gathers every leaf ZeRO-1 splits, in fp32, once per step)."""
     mesh = dict(mesh_key)
     parts: dict[str, int] = {}
-    out = {"params": 0, "router_bias": 0, "frozen": 0, "largest_leaf": 0, "params_global": 0, "by_part": parts}
-    for leaf in leaves(model, lora):
-        shape, names = leaf.shape, leaf.names
-        if leaf.path.startswith("moe_layers/") and layout is not None:    # as pipeline.to_slots places it
-            shape, names = (layout.slots, *shape[1:]), ("stages", *names[1:])
-        n = math.prod(shard_shape(shape, names, mesh)) * leaf.itemsize
+    out = {"params": 0, "grads": 0, "gathered": 0, "router_bias": 0, "frozen": 0, "largest_leaf": 0,
+           "params_global": 0, "by_part": parts}
+    for leaf, shape, names in _placed(model, layout, lora):
+        dims = _dim_axes(names, mesh_key)
+        n = math.prod(_split_shape(shape, dims, mesh)) * leaf.itemsize
         if lora is not None and leaf.trainable and not leaf.adapter:       # LoRA's frozen base weights
             out["frozen"] += n * DTYPE_BYTES[lora.base_dtype] // F32
         elif leaf.trainable:
-            out["params"] += n
+            master = math.prod(_zero1_shape(shape, dims, mesh)) * leaf.itemsize if zero1 else n
+            out["params"] += master
+            out["gathered"] += n if master < n else 0
+            out["grads"] += n                      # fp32, constrained to the model's shardings
             out["params_global"] += math.prod(leaf.shape) * leaf.itemsize
             out["largest_leaf"] = max(out["largest_leaf"], n)
             part = leaf.path.split("/")[0]
             parts[part] = parts.get(part, 0) + n
         else:
             out["router_bias"] += n
-    out["grads"] = out["params"]                 # fp32, constrained to the parameters' shardings
-    out["opt"] = 2 * out["params"] + 2 * 4       # AdamW mu + nu; optax's counts (int32 scalars)
+    out["opt"] = 2 * out["params"] + 2 * 4       # AdamW mu + nu, like the masters; optax's counts (int32 scalars)
     return out
 
 
@@ -186,6 +299,14 @@ class Geometry:
     attn_block: int = 0    # flash attention's block (0: dense attention, whole [T, T] scores)
     capacity_factor: float = 1.25   # kernels.capacity_factor
     tile: int = 64                  # kernels.moe_tile_size
+    buffer_factor: float = 0.0      # kernels.moe_buffer_factor (alltoall)
+    pipeline: int = 1               # outside the stages the batch is sharded over pipeline too
+
+    @property
+    def rows_outer(self) -> int:
+        """Rows of one grad_accum microbatch a device holds outside the pipeline's stages (the
+        embedding, dense prefix, head, MTP and loss): its 1/pipeline of the data shard's."""
+        return max(self.rows_accum // self.pipeline, 1)
 
 
 def geometry(cfg: Config, mesh: dict[str, int], backend: str = "gpu") -> Geometry:
@@ -203,7 +324,7 @@ def geometry(cfg: Config, mesh: dict[str, int], backend: str = "gpu") -> Geometr
                     c(m.vocab_size), c(m.intermediate_size), c(m.moe_intermediate_size),
                     c(m.moe_intermediate_size * m.n_shared_experts), shards, mesh["fsdp"], mesh["expert"], kind,
                     min(k.attention_block, cfg.data.seq_len) if k.attention is AttentionImpl.flash else 0,
-                    k.capacity_factor, k.moe_tile_size)
+                    k.capacity_factor, k.moe_tile_size, k.moe_buffer_factor, mesh["pipeline"])
 
 
 def _scores(m: configlib.ModelConfig, g: Geometry, rows: int, phase: str) -> int:
@@ -241,6 +362,11 @@ def _routed_rows(m: configlib.ModelConfig, g: Geometry, rows: int, local_sort: b
     if g.expert > 1 and g.dispatch == "capacity":    # all_to_all: C slots per expert from each source
         cap = max(1, math.ceil(g.capacity_factor * rows * g.seq * k / E))
         return (E // g.expert) * g.expert * cap, m.hidden_size, rows * g.seq * k
+    if g.expert > 1 and g.dispatch == "alltoall":    # all_to_all: f x the balanced pairs from each source,
+        from r1jax.kernels.expert_parallel import buffer_rows     # run dropless (one pair a row) at the owner
+        recv = g.expert * buffer_rows(rows * g.seq, k, E, g.expert, g.buffer_factor)
+        n = -(-(recv + (E // g.expert) * (g.tile - 1)) // g.tile) * g.tile
+        return n, m.hidden_size, rows * g.seq * k
     if g.expert > 1:
         tokens, experts, width = rows * g.seq * g.expert, E // g.expert, m.hidden_size
     elif local_sort:
@@ -250,7 +376,7 @@ def _routed_rows(m: configlib.ModelConfig, g: Geometry, rows: int, local_sort: b
     pairs = tokens * k
     if g.dispatch == "capacity":
         n = experts * max(1, math.ceil(g.capacity_factor * tokens * k / E))
-    elif g.dispatch == "dropless" or g.expert > 1:   # expert parallelism runs the dropless tiles (kernels/expert_parallel.py)
+    elif g.dispatch in ("dropless", "alltoall") or g.expert > 1:   # expert parallelism runs the dropless tiles (kernels/expert_parallel.py)
         tile = g.tile
         n = -(-(pairs + experts * (tile - 1)) // tile) * tile
     else:                                              # ragged / loop: one row per pair
@@ -414,20 +540,22 @@ def _epilogue(cfg: Config, g: Geometry, rows: int, w_gather: int, local_sort: bo
 
 def _phases(cfg: Config, mesh: dict[str, int], st: dict, g: Geometry) -> list[tuple[str, dict[str, int]]]:
     """Live temporary bytes (not the state) at each point of the step, as named components:
-    activations saved for the backward, logits, the working set of what runs, gradients."""
+    activations saved for the backward, logits, the working set of what runs, gradients, and
+    with ZeRO-1 the masters gathered to the model's sharding (live until the optimizer)."""
     m, t = cfg.model, cfg.train
     remat, dt, T = t.remat, g.dt, g.seq
     P = mesh["pipeline"]
     n_dense, n_moe = m.first_k_dense_replace, m.num_moe_layers
-    ra, rs = g.rows_accum, g.rows_stage
+    ra, rs = g.rows_outer, g.rows_stage          # outside the stages, inside one (ra: the whole shard without)
     parts = st["by_part"]
     grads_all = st["grads"]
     g_head = parts.get("lm_head_DW", 0) + parts.get("final_norm", 0) + parts.get("mtp", 0)
     g_moe = parts.get("moe_layers", 0)
     accum = grads_all if t.grad_accum > 1 else 0       # the scanned running sum of the gradients
 
-    def ph(name, act, lg, work, grads):
-        return name, {"activations": act, "logits": lg, "working": work, "gradients": accum + grads}
+    def ph(name, act, lg, work, grads, gathered=st["gathered"]):
+        return name, {"activations": act, "logits": lg, "working": work, "gradients": accum + grads,
+                      "gathered": gathered}
 
     # bf16/fp16 without remat: each layer also keeps its weights cast to the compute dtype (the
     # matmuls' backward needs them; nothing is recomputed). fp32 casts are no-ops.
@@ -438,7 +566,7 @@ def _phases(cfg: Config, mesh: dict[str, int], st: dict, g: Geometry) -> list[tu
     bwd_dense = (layer_backward(m, g, False, ra) - layer_working(m, g, False, ra)
                  if (n_dense and remat is not Remat.none) else 0)
     w_gather = _weights_gathered(cfg, mesh, "moe_layers", n_moe, dt)
-    opt = ph("optimizer", 0, 0, (2 if t.grad_accum == 1 else 1) * st["largest_leaf"], grads_all)
+    opt = ph("optimizer", 0, 0, (2 if t.grad_accum == 1 else 1) * st["largest_leaf"], grads_all, gathered=0)
     dense_phases = [ph("forward dense layers", r_dense, 0, w_dense, 0)]
     dense_bwd = ph("backward dense layers", r_dense, 0, w_dense + bwd_dense, grads_all - parts.get("embed", 0))
 
@@ -481,14 +609,17 @@ def _phases(cfg: Config, mesh: dict[str, int], st: dict, g: Geometry) -> list[tu
         w_moe = layer_working(m, g, True, rs) + w_gather
         bwd_moe = layer_backward(m, g, True, rs) - layer_working(m, g, True, rs) if remat is not Remat.none else 0
 
-    ep = _epilogue(cfg, g, ra, w_gather)
+    # outside the stages the batch is split over pipeline as well: the MTP's routed sort (without
+    # expert parallelism) still gathers the whole batch, pipeline shards included
+    outer = dataclasses.replace(g, batch_shards=g.batch_shards * g.pipeline)
+    ep = _epilogue(cfg, outer, ra, w_gather)
     if cast and m.num_nextn_predict_layers:
         ep["saved"] += m.num_nextn_predict_layers * cast * _layer_weights(cfg, mesh, "mtp/0/", stacked=False)
     before = r_dense + r_moe
     # XLA materialises the MTP blocks' zero-filled dispatch buffers early: they are live while the
     # MoE stack runs forward (seen in XLA:CPU's buffer assignment, absent without MTP; assumed
     # on GPU too)
-    early = m.num_nextn_predict_layers * _routed_working(m, g, ra, "forward") if n_moe else 0
+    early = m.num_nextn_predict_layers * _routed_working(m, outer, ra, "forward") if n_moe else 0
     return [
         *dense_phases,
         ph("forward MoE layers", before, 0, w_moe + early, 0),
@@ -508,10 +639,229 @@ def activation_peak(cfg: Config, mesh: dict[str, int], st: dict, g: Geometry) ->
     return {"phase": name, **comp, "live": live, "packing": int(live * (PACKING - 1)),
             "temp": int(live * PACKING), "phases": {n: sum(c.values()) for n, c in phases}}
 
+# -------------------------------------------------------------------------------- communication
+# All-gathers of a layer's fsdp-sharded weights per microbatch: forward and backward. A
+# rematerialised backward recomputes the forward with the weights its own gather made (the
+# backward scan's body gathers once for both), so remat adds no gather; it does repeat the
+# forward's activation collectives (tensor, expert), whose inputs are recomputed.
+FSDP_GATHERS = 2
+
+
+def hardware_spec(hardware: str) -> Hardware:
+    """HARDWARE[hardware], or ConfigError naming the known ones."""
+    if hardware not in HARDWARE:
+        raise ConfigError(f"--hardware {hardware}: unknown; allowed: {', '.join(HARDWARE)}")
+    return HARDWARE[hardware]
+
+
+@functools.lru_cache(maxsize=64)
+def _node_grid(sizes: tuple[int, ...], dcn: tuple[int, ...], gpus_per_node: int) -> Any:
+    """The node of every device of the mesh (an int array of its shape, AXES order), laid out as
+    r1jax.parallel.mesh.make_mesh lays out jax.devices(), whose i-th device sits on node
+    i // gpus_per_node: in order, the first axis outermost, or node-aware (`hybrid_order`)."""
+    import numpy as np
+
+    from r1jax.parallel.mesh import hybrid_order
+    node = np.arange(math.prod(sizes)) // gpus_per_node
+    if all(d == 1 for d in dcn):
+        return node.reshape(sizes)
+    return node[hybrid_order(dict(zip(AXES, sizes)), dict(zip(AXES, dcn)), node.tolist())]
+
+
+def _span(grid: Any, axis: str) -> tuple[int, int]:
+    """(GPUs of one node in a group of `axis`, nodes the group spans), the group that spans most."""
+    import numpy as np
+    i = AXES.index(axis)
+    groups = np.sort(np.moveaxis(grid, i, -1).reshape(-1, grid.shape[i]), axis=1)
+    nodes = int(((np.diff(groups, axis=1) != 0).sum(axis=1) + 1).max())
+    return max(1, grid.shape[i] // nodes), nodes
+
+
+def _collective(kind: str, size: float, inside: int, nodes: int) -> tuple[float, float]:
+    """(NVLink bytes, InfiniBand bytes) one device moves in a collective over a group of
+    `inside` GPUs in each of `nodes` nodes. `size`: the array reduced (all_reduce), the array
+    gathered or scattered (all_gather, also reduce-scatter), what the device sends, itself
+    included (all_to_all), what it sends its neighbour (permute). Rings, hierarchical across
+    nodes: inside the node first, then each GPU's 1/inside share over its own NIC."""
+    n = inside * nodes
+    if kind == "all_reduce":
+        return 2 * (inside - 1) / inside * size, 2 * (nodes - 1) / nodes * size / inside
+    if kind == "all_gather":
+        return (inside - 1) / inside * size, (nodes - 1) / nodes * size / inside
+    if kind == "all_to_all":
+        return (inside - 1) / n * size, (n - inside) / n * size
+    return (size, 0.0) if nodes == 1 else (0.0, size)          # permute: a neighbour on another node
+
+
+def _fsdp_traffic(cfg: Config, mesh: dict[str, int]) -> list[tuple[str, str, str, float]]:
+    """Each part's weights all-gathered over fsdp in the compute dtype (FSDP_GATHERS times) and
+    their fp32 gradients reduce-scattered, per grad_accum microbatch (the pipelined MoE stack:
+    per pipeline microbatch)."""
+    f = mesh["fsdp"]
+    if f == 1:
+        return []
+    t = cfg.train
+    layout, lora = _layout(cfg, mesh), _lora(cfg)
+    whole = _state_bytes(cfg.model, layout, _key({**mesh, "fsdp": 1}), lora)
+    own = _state_bytes(cfg.model, layout, _key(mesh), lora)
+    dt = DTYPE_BYTES[t.dtype]
+    # a device lacks (f-1)/f of the leaves fsdp splits (the others are whole on it): those leaves
+    # whole, the size the ring formulas take, are (whole - own) x f/(f-1)
+    out = []
+    for part, n in whole["by_part"].items():
+        calls = t.grad_accum * (t.microbatches if part == "moe_layers" and mesh["pipeline"] > 1 else 1)
+        size = (n - own["by_part"][part]) * f / (f - 1)
+        out += [("fsdp", "weight all-gathers", "all_gather", FSDP_GATHERS * calls * size * dt / F32),
+                ("fsdp", "gradient reduce-scatters", "all_gather", calls * size)]
+    if whole["frozen"]:                                                 # LoRA's base weights, as stored
+        size = (whole["frozen"] - own["frozen"]) * f / (f - 1)
+        out.append(("fsdp", "weight all-gathers", "all_gather", FSDP_GATHERS * t.grad_accum * size))
+    return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _grad_groups(model: configlib.ModelConfig, layout, mesh_key: tuple, lora=None
+                 ) -> tuple[tuple[tuple[str, ...], int], ...]:
+    """(batch axes, bytes): the fp32 gradients of this device's trainable leaves summed by the
+    batch axes (LOGICAL_RULES' `batch`) that do not split them, over which they are all-reduced."""
+    mesh = dict(mesh_key)
+    groups: dict[tuple[str, ...], int] = {}
+    for leaf, shape, names in _placed(model, layout, lora):
+        if not leaf.trainable or (lora is not None and not leaf.adapter):
+            continue
+        dims = _dim_axes(names, mesh_key)
+        used = {a for axes in dims for a in axes}
+        group = tuple(a for a in _rule("batch") if a in mesh and a not in used)
+        if group:
+            groups[group] = groups.get(group, 0) + math.prod(_split_shape(shape, dims, mesh)) * leaf.itemsize
+    return tuple(groups.items())
+
+
+def _grad_traffic(cfg: Config, mesh: dict[str, int], spans: dict[str, tuple[int, int]]
+                  ) -> list[tuple[str, str, str, float]]:
+    """The gradients' all-reduce over the batch axes, once per step. Over several axes it is
+    done axis by axis (a reduce-scatter over one, the rest on the shards), the axis with the
+    most GPUs inside a node first; ZeRO-1's reduce-scatter plus all-gather moves the same."""
+    out = []
+    for group, size in _grad_groups(cfg.model, _layout(cfg, mesh), _key(mesh), _lora(cfg)):
+        for a in sorted(group, key=lambda a: (-spans[a][0], spans[a][1])):
+            out.append((a, "gradient all-reduce", "all_reduce", size))
+            size /= mesh[a]
+    return out
+
+
+def _activation_traffic(cfg: Config, mesh: dict[str, int], g: Geometry) -> list[tuple[str, str, str, float]]:
+    """Collectives on activations: tensor's all-reduces (2 a layer a pass), the expert
+    exchange (dispatch and combine a pass), the pipeline's stage boundaries. Passes: forward,
+    backward, and the forward again when remat recomputes it."""
+    m, t = cfg.model, cfg.train
+    P, A, dt, D = mesh["pipeline"], t.grad_accum, g.dt, m.hidden_size
+    M = t.microbatches if P > 1 else 1
+    passes = 2 + (t.remat is not Remat.none)
+    layout = _layout(cfg, mesh)
+    stack = layout.slots // P if layout else m.num_moe_layers         # MoE layers a device runs
+    depth = m.num_nextn_predict_layers
+    out = []
+    if mesh["tensor"] > 1:
+        layers = m.first_k_dense_replace + stack + depth
+        tokens = A * g.rows_accum * g.seq                                # this device's, per step
+        out.append(("tensor", "activation all-reduces", "all_reduce", passes * 2 * layers * tokens * D * dt))
+    if mesh["expert"] > 1 and m.num_moe_layers:
+        kind, stage = _exchange(m, g, g.rows_stage)
+        _, mtp = _exchange(m, g, g.rows_outer)                          # the MTP runs outside the stages
+        out.append(("expert", "dispatch + combine", kind, passes * 2 * A * (M * stack * stage + depth * mtp)))
+    if P > 1:
+        xs = g.rows_stage * g.seq * D * dt                               # one microbatch's stage input
+        onefoneb = cfg.pipeline.schedule is Schedule.onefoneb
+        sends = 2 * (M if onefoneb else M * layout.repeats + P - 1)      # forward and backward, every tick
+        out += [("pipeline", "stage boundaries", "permute", A * sends * xs),
+                # the stages take a data shard's rows whole (outside they are split over pipeline)
+                ("pipeline", "stack input all-gather", "all_gather", A * M * xs),
+                # GPipe psums the stack's output to every stage and the input's gradient back; 1F1B the latter
+                ("pipeline", "stack output all-reduce", "all_reduce", A * (1 if onefoneb else 2) * M * xs)]
+    return out
+
+
+def _exchange(m: configlib.ModelConfig, g: Geometry, rows: int) -> tuple[str, float]:
+    """(collective, bytes) of one direction of one MoE layer's expert exchange on `rows` rows
+    (r1jax/kernels/expert_parallel.py): `capacity` sends its whole [E, C, D] buffer through
+    all_to_all, `alltoall` its ep per-destination buffers of f x the balanced pairs; the others
+    all-gather the expert group's tokens and reduce-scatter the outputs."""
+    if g.dispatch == "capacity":
+        n, width, _ = _routed_rows(m, g, rows, local_sort=False)
+        return "all_to_all", n * width * g.dt
+    if g.dispatch == "alltoall":
+        from r1jax.kernels.expert_parallel import buffer_rows
+        return "all_to_all", g.expert * buffer_rows(rows * g.seq, m.num_experts_per_tok, m.n_routed_experts,
+                                                    g.expert, g.buffer_factor) * m.hidden_size * g.dt
+    return "all_gather", g.expert * rows * g.seq * m.hidden_size * g.dt
+
+
+def compute_bound(cfg: Config, devices: int, hw: Hardware) -> dict[str, float]:
+    """Training FLOPs per device per step (r1jax.train.mfu's model FLOPs: 6 x activated
+    parameters + attention, spread evenly; no remat recompute) over the datasheet peak."""
+    from r1jax.train.mfu import GPU_PEAKS, flops_per_token
+    T = cfg.data.seq_len
+    flops = flops_per_token(cfg.model, T) * cfg.train.global_batch_size * T / devices
+    peak = GPU_PEAKS[hw.gpu]["fp32" if cfg.train.dtype is DType.fp32 else "bf16"]
+    return {"flops_per_device": flops, "peak_flops": peak, "compute_s": flops / peak}
+
+
+def communication(cfg: Config, mesh: dict[str, int], dcn: dict[str, int], hardware: str, g: Geometry
+                  ) -> dict[str, Any]:
+    """Bytes each device moves per optimizer step over each mesh axis of size > 1, the link
+    (NVLink when the axis stays inside a node, else InfiniBand), the seconds at the hardware's
+    link rates, and the compute lower bound. Nothing overlaps: collectives run one after another
+    and beside no compute, so `comm_bound` (comm_s > compute_s) means the step is slower than
+    its compute even if every transfer hid behind it."""
+    hw = hardware_spec(hardware)
+    grid = _node_grid(tuple(mesh[a] for a in AXES), tuple(dcn[a] for a in AXES), hw.gpus_per_node)
+    spans = {a: _span(grid, a) for a in AXES if mesh[a] > 1}
+    axes = {a: {"size": mesh[a], "gpus_per_node": i, "nodes": n, "link": "ib" if n > 1 else "nvlink",
+                "nvlink_bytes": 0, "ib_bytes": 0, "parts": {}} for a, (i, n) in spans.items()}
+    for axis, what, kind, size in [*_fsdp_traffic(cfg, mesh), *_grad_traffic(cfg, mesh, spans),
+                                   *_activation_traffic(cfg, mesh, g)]:
+        nv, ib = _collective(kind, size, *spans[axis])
+        row = axes[axis]
+        row["nvlink_bytes"] += int(nv)
+        row["ib_bytes"] += int(ib)
+        row["parts"][what] = row["parts"].get(what, 0) + int(nv + ib)
+    for row in axes.values():
+        row["bytes"] = row["nvlink_bytes"] + row["ib_bytes"]
+        row["seconds"] = row["nvlink_bytes"] / hw.nvlink + row["ib_bytes"] / hw.ib
+    comp = compute_bound(cfg, math.prod(mesh.values()), hw)
+    comm_s = sum(row["seconds"] for row in axes.values())
+    return {"axes": axes, **comp, "comm_s": comm_s, "ratio": comm_s / comp["compute_s"],
+            "comm_bound": comm_s > comp["compute_s"], "nvlink_rate": hw.nvlink, "ib_rate": hw.ib}
+
 
 # ------------------------------------------------------------------------------------------ plan
-def _mesh_config(mesh: dict[str, int]) -> MeshConfig:
-    return MeshConfig(**{a: mesh.get(a, 1) for a in AXES})
+def _mesh_config(mesh: dict[str, int], dcn: dict[str, int] | None = None) -> MeshConfig:
+    dcn = dcn or {}
+    return MeshConfig(**{a: mesh.get(a, 1) for a in AXES}, **{f"dcn_{a}": dcn.get(a, 1) for a in AXES})
+
+
+def _dcn_str(dcn: dict[str, int]) -> str:
+    return " x ".join(f"dcn_{a}={v}" for a, v in dcn.items() if v > 1)
+
+
+def check_dcn(mesh: dict[str, int], dcn: dict[str, int] | None, nodes: int) -> dict[str, int]:
+    """{axis: nodes it spans} for every axis (omitted = 1), or ConfigError: each must divide its
+    axis, and unless all are 1 they must multiply to `nodes` (each node then holds the rest)."""
+    dcn = dict(dcn or {})
+    unknown = sorted(set(dcn) - set(AXES))
+    if unknown:
+        raise ConfigError(f"--mesh: unknown axis 'dcn_{unknown[0]}'; allowed: {', '.join(f'dcn_{a}' for a in AXES)}")
+    dcn = {a: int(dcn.get(a, 1)) for a in AXES}
+    for a, v in dcn.items():
+        if v < 1 or mesh[a] % v:
+            raise ConfigError(f"dcn_{a}={v}: must be a positive divisor of {a}={mesh[a]} (the nodes the axis "
+                              f"spans; {a}/dcn_{a} of it stays inside each node)")
+    spanned = math.prod(dcn.values())
+    if spanned > 1 and spanned != nodes:
+        raise ConfigError(f"{_dcn_str(dcn)} = {spanned} nodes, but --nodes {nodes}: the dcn sizes must multiply "
+                          f"to the number of nodes (or all be 1: devices in order, the first axis outermost)")
+    return dcn
 
 
 def refusal(cfg: Config, mesh: dict[str, int]) -> tuple[str | None, str | None]:
@@ -542,13 +892,15 @@ def refusal(cfg: Config, mesh: dict[str, int]) -> tuple[str | None, str | None]:
 
 
 def plan(cfg: Config, mesh_shape: dict[str, int], hardware: str, nodes: int = 1, *, backend: str = "gpu",
-         search: bool = True) -> dict[str, Any]:
+         search: bool = True, dcn: dict[str, int] | None = None) -> dict[str, Any]:
     """Per-device memory of `cfg`'s train step on `mesh_shape` ({axis: size}, omitted = 1) of
-    `nodes` x 8 `hardware` GPUs, FITS or not, the smallest fitting mesh (`search`), the KV cache
-    and the rules of thumb. Raises ConfigError for an unknown axis or hardware, a mesh whose
-    product is not nodes x 8 (unless `backend='cpu'`), or a mesh the config's rules refuse."""
-    if hardware not in HARDWARE_MIB:
-        raise ConfigError(f"--hardware {hardware}: unknown; allowed: {', '.join(HARDWARE_MIB)}")
+    `nodes` nodes of `hardware` GPUs, FITS or not, its communication per step against its compute
+    (`comm`, `comm_bound`), the smallest fitting mesh (`search`), the KV cache and the rules of
+    thumb. `dcn`: {axis: nodes it spans} (omitted = 1; all 1: devices in order, the first axis
+    outermost). Raises ConfigError for an unknown axis or hardware, a mesh whose product is not
+    nodes x GPUs per node (unless `backend='cpu'`), dcn sizes that do not fit it, or a mesh the config's
+    rules refuse."""
+    hw = hardware_spec(hardware)
     unknown = sorted(set(mesh_shape) - set(AXES))
     if unknown:
         raise ConfigError(f"--mesh: unknown axis '{unknown[0]}'; allowed: {', '.join(AXES)}")
@@ -557,14 +909,18 @@ def plan(cfg: Config, mesh_shape: dict[str, int], hardware: str, nodes: int = 1,
     if bad:
         raise ConfigError(f"--mesh {bad[0]}={mesh[bad[0]]}: must be a positive integer")
     devices = math.prod(mesh.values())
-    if backend != "cpu" and devices != nodes * GPUS_PER_NODE:
+    if backend != "cpu" and devices != nodes * hw.gpus_per_node:
         raise ConfigError(f"--mesh: {' x '.join(f'{a} {v}' for a, v in mesh.items() if v > 1) or 'data 1'} = "
-                          f"{devices} devices, but --nodes {nodes} x {GPUS_PER_NODE} GPUs = {nodes * GPUS_PER_NODE}")
+                          f"{devices} devices, but --nodes {nodes} x {hw.gpus_per_node} GPUs = "
+                          f"{nodes * hw.gpus_per_node}")
+    dcn = check_dcn(mesh, dcn, nodes)
     error, refused = refusal(cfg, mesh)
     if error:
         raise ConfigError(error)
     out = evaluate(cfg, mesh, hardware, backend)
-    out.update(nodes=nodes, devices=devices, refused=refused, kv_cache=kv_cache(cfg.model),
+    comm = communication(cfg, mesh, dcn, hardware, geometry(cfg, mesh, backend))
+    out.update(nodes=nodes, devices=devices, gpus_per_node=hw.gpus_per_node, dcn=dcn, refused=refused,
+               comm=comm, comm_bound=comm["comm_bound"], kv_cache=kv_cache(cfg.model),
                rules_of_thumb=rules_of_thumb(cfg, devices, hardware))
     if search:
         out["proposal"] = smallest_fit(cfg, hardware)
@@ -576,15 +932,15 @@ def evaluate(cfg: Config, mesh: dict[str, int], hardware: str, backend: str = "g
     st = state_bytes(cfg, mesh)
     g = geometry(cfg, mesh, backend)
     t = cfg.train
-    batch = 3 * (t.global_batch_size // g.batch_shards) * cfg.data.seq_len * 4    # ids, segment_ids, positions
+    batch = 3 * (t.global_batch_size // (g.batch_shards * g.pipeline)) * cfg.data.seq_len * 4   # ids, segment_ids, positions
     small = 4 + 4 + 4                                                                # step, loss scale
     arg = st["params"] + st["opt"] + st["router_bias"] + st["frozen"] + small + batch
     act = activation_peak(cfg, mesh, st, g)
-    capacity = HARDWARE_MIB[hardware] * 2**20
+    capacity = hardware_spec(hardware).mib * 2**20
     usable = int(capacity * (1 - RESERVE))
     total = arg + act["temp"]
     return {"mesh": mesh, "hardware": hardware, "backend": backend, "dispatch": g.dispatch,
-            "rows_per_device": g.rows_accum, "rows_per_stage_microbatch": g.rows_stage,
+            "rows_per_device": g.rows_outer, "rows_per_stage_microbatch": g.rows_stage,
             "params": st["params"], "grads": st["grads"], "opt": st["opt"], "router_bias": st["router_bias"],
             "frozen": st["frozen"], "trainable": trainable(cfg),
             "params_by_part": st["by_part"], "batch_and_scalars": batch + small, "argument": arg,
@@ -617,10 +973,11 @@ def rules_of_thumb(cfg: Config, devices: int, hardware: str) -> dict[str, Any]:
     """'GPU memory >= 1.5 x parameters', read as: all GPUs' memory together against 1.5 x the
     parameters in bf16 (2 bytes each); 'host memory = 2 x GPU memory', per node."""
     n = sum(math.prod(l.shape) for l in leaves(cfg.model) if l.trainable)
-    gpu = devices * HARDWARE_MIB[hardware] * 2**20
+    hw = hardware_spec(hardware)
+    gpu = devices * hw.mib * 2**20
     need = int(1.5 * 2 * n)
     return {"parameters": n, "gpu_memory_total": gpu, "one_and_half_bf16_params": need, "gpu_rule_ok": gpu >= need,
-            "host_memory_per_node": 2 * GPUS_PER_NODE * HARDWARE_MIB[hardware] * 2**20}
+            "host_memory_per_node": 2 * hw.gpus_per_node * hw.mib * 2**20}
 
 
 def _pow2(n: int) -> list[int]:
@@ -640,15 +997,16 @@ def smallest_fit(cfg: Config, hardware: str, max_nodes: int = 4096) -> dict[str,
     config's batch, remat and schedule. Among the fitting meshes of that size: one r1jax runs
     today first, then the least memory. When only refused layouts fit there, the search goes on
     to the smallest mesh r1jax runs today (`smallest_runnable`)."""
-    usable = HARDWARE_MIB[hardware] * 2**20 * (1 - RESERVE)
+    hw = hardware_spec(hardware)
+    usable = hw.mib * 2**20 * (1 - RESERVE)
     # the fp32 masters and AdamW moments (12 B a parameter in fp32) cannot be split over more than all devices
     n_params = sum(math.prod(l.shape) for l in leaves(cfg.model) if l.trainable)
     per_param = F32 + 2 * _moment_bytes(cfg)
-    nodes = 2 ** max(0, math.ceil(math.log2(max(1.0, per_param * n_params / usable / GPUS_PER_NODE))))
+    nodes = 2 ** max(0, math.ceil(math.log2(max(1.0, per_param * n_params / usable / hw.gpus_per_node))))
     best_any = best_ok = None
     while nodes <= max_nodes and best_ok is None:
         fits = []
-        for mesh in candidate_meshes(nodes * GPUS_PER_NODE):
+        for mesh in candidate_meshes(nodes * hw.gpus_per_node):
             error, refused = refusal(cfg, mesh)
             if error:
                 continue
@@ -676,6 +1034,11 @@ def _gib(n: float) -> str:
     return f"{n / GiB:,.2f} GiB"
 
 
+def _num(x: float) -> str:
+    """Two decimals, or three significant digits below 1 (small meshes move little)."""
+    return f"{x:,.2f}" if x >= 1 or x == 0 else f"{x:.3g}"
+
+
 def _mesh_str(mesh: dict[str, int]) -> str:
     return " x ".join(f"{a} {v}" for a, v in mesh.items() if v > 1) or "1 device"
 
@@ -683,12 +1046,16 @@ def _mesh_str(mesh: dict[str, int]) -> str:
 def report(cfg: Config, r: dict[str, Any]) -> str:
     m, t = cfg.model, cfg.train
     a = r["activations"]
-    lines = [(f"r1jax capacity plan: {r['devices']} x {r['hardware']} ({r['nodes']} node(s) x {GPUS_PER_NODE} GPUs), "
-              f"mesh {_mesh_str(r['mesh'])}"),
+    gpn = r["gpus_per_node"]
+    dcn = _dcn_str(r["dcn"])
+    lines = [(f"r1jax capacity plan: {r['devices']} x {r['hardware']} ({r['nodes']} node(s) x {gpn} GPUs), "
+              f"mesh {_mesh_str(r['mesh'])}" + (f", across nodes {dcn}" if dcn else "")),
              f"train: global batch {t.global_batch_size} x seq {cfg.data.seq_len}, grad_accum {t.grad_accum}, "
              f"dtype {t.dtype.value}, remat {t.remat.value}, MoE dispatch {r['dispatch']}"
              + (f", pipeline {cfg.pipeline.schedule.value} M={t.microbatches}" if r["mesh"]["pipeline"] > 1 else "")
-             + f"; {r['rows_per_device']} row(s) per device per microbatch"]
+             + (f"; {r['rows_per_device']} row(s) per device per microbatch" if r["mesh"]["pipeline"] == 1 else
+                f"; per device {r['rows_per_device']} row(s) outside the stages, {r['rows_per_stage_microbatch']} per "
+                f"pipeline microbatch")]
     if r.get("refused"):
         lines.append(f"NOTE: r1jax refuses this mesh today ({r['refused']}); the numbers are what it would hold")
     tr = r["trainable"]
@@ -697,15 +1064,17 @@ def report(cfg: Config, r: dict[str, Any]) -> str:
         lines.append(f"LoRA rank {lo.rank} on {', '.join(lo.targets)}: {tr['parameters'] / 1e6:,.1f}M trainable "
                      f"parameters, {100 * tr['fraction']:.3f}% of the model's; the base is frozen in "
                      f"{lo.base_dtype.value} (no gradients, no optimizer state)")
+    zero1 = " ZeRO-1" if cfg.optim.zero1 else ""
     rows = [("state (the step's donated arguments)", None),
-            ("  adapters (fp32 masters)" if tr["lora"] else "  parameters (fp32 masters)", r["params"]),
-            (f"  optimizer state (AdamW mu+nu, {cfg.optim.moment_dtype.value})", r["opt"]),
+            (f"  {'adapters' if tr['lora'] else 'parameters'} (fp32 masters{zero1})", r["params"]),
+            (f"  optimizer state (AdamW mu+nu, {cfg.optim.moment_dtype.value}{zero1})", r["opt"]),
             *([(f"  frozen base weights ({cfg.lora.base_dtype.value})", r["frozen"])] if tr["lora"] else []),
             ("  router biases", r["router_bias"]),
             ("  batch rows + step scalars", r["batch_and_scalars"]),
             ("  = state", r["argument"]),
             (f"temporaries at the peak ({a['phase']})", None),
             ("  gradients (fp32" + (", running sum + microbatch)" if t.grad_accum > 1 else ")"), a["gradients"]),
+            *([("  masters gathered for the step (fp32, ZeRO-1)", a["gathered"])] if cfg.optim.zero1 else []),
             ("  activations saved for backward", a["activations"]),
             ("  logits + their gradient (fp32)", a["logits"]),
             ("  transient working set", a["working"]),
@@ -720,6 +1089,7 @@ def report(cfg: Config, r: dict[str, Any]) -> str:
     lines.append(f"{verdict}: {_gib(r['total'])} of {_gib(r['usable_bytes'])} usable "
                  f"({r['total'] / r['usable_bytes']:.0%})")
     lines.append("live temporaries by phase: " + ", ".join(f"{k} {_gib(v)}" for k, v in a["phases"].items()))
+    lines += comm_report(r["comm"])
     parts = ", ".join(f"{k} {_gib(v)}" for k, v in sorted(r["params_by_part"].items(), key=lambda kv: -kv[1]))
     lines.append(f"parameters by part (per device): {parts}")
     kv = r["kv_cache"]
@@ -734,7 +1104,7 @@ def report(cfg: Config, r: dict[str, Any]) -> str:
                  f"r1jax's training state alone is {F32 + 2 * _moment_bytes(cfg)} B/parameter (+4 B of gradients) = "
                  f"{_gib((2 * F32 + 2 * _moment_bytes(cfg)) * th['parameters'])} over all GPUs")
     lines.append(f"rule of thumb 'host memory = 2 x GPU memory': {_gib(th['host_memory_per_node'])} of host RAM "
-                 f"per node of {GPUS_PER_NODE} GPUs")
+                 f"per node of {gpn} GPUs")
     if "proposal" in r:
         p = r["proposal"]
         if p is None:
@@ -743,16 +1113,38 @@ def report(cfg: Config, r: dict[str, Any]) -> str:
         else:
             s = p["smallest"]
             lines.append(f"smallest mesh that fits (powers of two, this config's batch and remat): {s['nodes']} "
-                         f"node(s) = {s['nodes'] * GPUS_PER_NODE} GPUs, {_mesh_str(s['mesh'])}: "
+                         f"node(s) = {s['nodes'] * gpn} GPUs, {_mesh_str(s['mesh'])}: "
                          f"{_gib(s['total'])} per device")
             if s["refused"]:
                 lines.append(f"  r1jax refuses that mesh today: {s['refused']}")
                 o = p["smallest_runnable"]
                 if o:
                     lines.append(f"smallest mesh r1jax runs today: {o['nodes']} node(s) = "
-                                 f"{o['nodes'] * GPUS_PER_NODE} GPUs, {_mesh_str(o['mesh'])}: "
+                                 f"{o['nodes'] * gpn} GPUs, {_mesh_str(o['mesh'])}: "
                                  f"{_gib(o['total'])} per device")
     return "\n".join(lines)
+
+
+def comm_report(c: dict[str, Any]) -> list[str]:
+    """The communication table: per mesh axis, where its groups sit, the link, GB per step
+    (all, and over InfiniBand), seconds; then the compute lower bound and the verdict."""
+    lines = [f"communication per optimizer step, per device (NVLink {c['nvlink_rate'] / 1e9:.0f} GB/s, InfiniBand "
+             f"{c['ib_rate'] / 1e9:.0f} GB/s per GPU; ring collectives, hierarchical across nodes; no overlap):"]
+    head = f"{'axis':<10}{'size':>6}  {'groups':<22}{'link':<12}{'GB/step':>10}{'over IB':>10}{'seconds':>10}  what"
+    lines.append(head)
+    for axis, row in c["axes"].items():
+        i, n = row["gpus_per_node"], row["nodes"]
+        where = f"{i} GPU{'s' * (i > 1)} x {n} node{'s' * (n > 1)}"
+        what = ", ".join(f"{k} {_num(v / 1e9)}" for k, v in row["parts"].items()) or "nothing"
+        link = "InfiniBand" if row["link"] == "ib" else "NVLink"
+        lines.append(f"{axis:<10}{row['size']:>6}  {where:<22}{link:<12}{_num(row['bytes'] / 1e9):>10}"
+                     f"{_num(row['ib_bytes'] / 1e9):>10}{_num(row['seconds']):>10}  {what}")
+    lines.append(f"compute lower bound: {c['flops_per_device'] / 1e12:,.1f} TFLOP per device per step (model FLOPs) "
+                 f"at {c['peak_flops'] / 1e12:,.0f} TFLOP/s peak = {_num(c['compute_s'])} s")
+    verdict = "COMM-BOUND" if c["comm_bound"] else "compute-bound"
+    lines.append(f"{verdict}: communication {_num(c['comm_s'])} s vs compute {_num(c['compute_s'])} s "
+                 f"({c['ratio']:.2g}x)")
+    return lines
 
 
 # ----------------------------------------------------------------------- compiler cross-check
@@ -812,40 +1204,86 @@ def check_report(c: dict[str, Any]) -> str:
                      "temp; the 2-byte model is meant for GPUs and is not validated here")
     a = c["predicted"]["activations"]
     lines.append("predicted temp by component: " + ", ".join(
-        f"{k} {a[k] / 2**20:,.2f} MiB" for k in ("gradients", "activations", "logits", "working", "packing"))
+        f"{k} {a[k] / 2**20:,.2f} MiB" for k in ("gradients", "gathered", "activations", "logits", "working", "packing")
+        if a[k] or k != "gathered")
         + f" (peak: {a['phase']})")
     return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------------------ CLI
-def parse_mesh(text: str) -> dict[str, int]:
-    out: dict[str, int] = {}
+def parse_mesh(text: str) -> tuple[dict[str, int], dict[str, int]]:
+    """--mesh axis=size,...[,dcn_axis=nodes,...] as ({axis: size}, {axis: nodes it spans}), every
+    axis present (omitted: 1)."""
+    sizes: dict[str, int] = {}
+    dcn: dict[str, int] = {}
+    allowed = ", ".join([*AXES, *(f"dcn_{a}" for a in AXES)])
     for item in filter(None, (s.strip() for s in text.split(","))):
-        name, eq, value = item.partition("=")
-        if not eq or not value.strip().lstrip("-").isdigit():
-            raise ConfigError(f"--mesh {text}: expected axis=size[,axis=size...], e.g. data=8,tensor=8")
-        if name.strip() not in AXES:
-            raise ConfigError(f"--mesh: unknown axis '{name.strip()}'; allowed: {', '.join(AXES)}")
-        out[name.strip()] = int(value)
-    return out
+        name, eq, value = (x.strip() for x in item.partition("="))
+        if not eq or not value.lstrip("-").isdigit():
+            raise ConfigError(f"--mesh {text}: expected axis=size[,axis=size...], e.g. data=8,tensor=8 "
+                              f"(with dcn_axis=nodes for an axis that spans nodes)")
+        axis = name.removeprefix("dcn_")
+        if axis not in AXES:
+            raise ConfigError(f"--mesh: unknown axis '{name}'; allowed: {allowed}")
+        (dcn if name.startswith("dcn_") else sizes)[axis] = int(value)
+    return {a: sizes.get(a, 1) for a in AXES}, {a: dcn.get(a, 1) for a in AXES}
 
 
-def load_for_mesh(path: str, overrides: list[str], mesh: dict[str, int]) -> Config:
-    """The config with its mesh replaced by `mesh`. A mesh that config.validate refuses only for a
-    rule r1jax may lift (expert parallelism inside pipeline stages, 1F1B with sharded stages) is
-    kept, so that it can be planned; any other refusal is raised."""
+def config_mesh(path: str, overrides: list[str], devices: int) -> tuple[dict[str, int], dict[str, int]]:
+    """The config's own mesh after `overrides` ({axis: size} with its -1 axis filled in for
+    `devices`, {axis: dcn size}), for a plan without --mesh."""
     try:
-        return configlib.load(path, [*overrides, *(f"mesh.{a}={mesh[a]}" for a in AXES)])
+        mesh = configlib.load(path, overrides).mesh
+    except ConfigError as e:
+        mesh = _unvalidated_mesh(path, overrides, e)
+    try:
+        sizes = configlib.resolve_mesh_shape(mesh, devices)
+    except ConfigError as e:
+        raise ConfigError(f"{e} (here: --nodes x GPUs per node = {devices}; or give --mesh)") from None
+    return sizes, configlib.dcn_sizes(mesh)
+
+
+def _unvalidated_mesh(path: str, overrides: list[str], error: ConfigError) -> MeshConfig:
+    """The mesh section of the YAML after the mesh.* overrides, read without config.validate, which
+    may refuse the layout for a rule the planner lifts (load_for_mesh then decides); `error`, the
+    loader's, when even that cannot be read."""
+    import yaml
+    from omegaconf import OmegaConf
+    try:
+        raw = (yaml.safe_load(Path(path).read_text()) or {}).get("mesh") or {}
+        dots = OmegaConf.from_dotlist([o for o in overrides if o.startswith("mesh.")]).get("mesh") or {}
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(MeshConfig), raw, dots))
+    except Exception:               # whatever is wrong, the loader's own message says it best
+        raise error from None
+
+
+def _mesh_overrides(mesh: dict[str, int], dcn: dict[str, int]) -> list[str]:
+    return [*(f"mesh.{a}={mesh.get(a, 1)}" for a in AXES), *(f"mesh.dcn_{a}={dcn.get(a, 1)}" for a in AXES)]
+
+
+def load_for_mesh(path: str, overrides: list[str], mesh: dict[str, int], dcn: dict[str, int] | None = None
+                  ) -> Config:
+    """The config with its mesh replaced by `mesh` (axes not in it are 1) and its dcn sizes by
+    `dcn` before it is validated. A mesh that config.validate refuses only for a rule r1jax may
+    lift (expert parallelism inside pipeline stages, 1F1B with sharded stages) is kept, so that
+    it can be planned; any other refusal is raised."""
+    dcn = dcn or {}
+    try:
+        return configlib.load(path, [*overrides, *_mesh_overrides(mesh, dcn)])
     except ConfigError as e:
         error = e
+    if mesh.get("pipeline", 1) == 1:           # the rules the planner lifts all need a pipeline
+        raise error
     try:
-        base = configlib.load(path, overrides)
+        # the same mesh without its pipeline validates every other rule against this mesh's batch shards
+        base = configlib.load(path, [*overrides, *_mesh_overrides({**mesh, "pipeline": 1}, {**dcn, "pipeline": 1})])
     except ConfigError:
         raise error from None
-    err, refused = refusal(base, mesh)
+    full = {a: mesh.get(a, 1) for a in AXES}
+    err, refused = refusal(base, full)
     if err or not refused:
         raise error
-    return dataclasses.replace(base, mesh=_mesh_config(mesh))
+    return dataclasses.replace(base, mesh=_mesh_config(full, dcn))
 
 
 def _jsonable(r: Any) -> Any:
@@ -854,10 +1292,12 @@ def _jsonable(r: Any) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m r1jax.plan", description=__doc__.splitlines()[0],
-                                 epilog="Omitted mesh axes are 1; the mesh product must equal nodes x 8.")
+                                 epilog="Omitted mesh axes are 1; the mesh product must equal nodes x GPUs per node.")
     ap.add_argument("--config", required=True, help="YAML config (see configs/)")
-    ap.add_argument("--mesh", required=True, help="axis=size,... over data, fsdp, tensor, expert, pipeline")
-    ap.add_argument("--hardware", required=True, help=f"one of {', '.join(HARDWARE_MIB)}")
+    ap.add_argument("--mesh", default=None,
+                    help="axis=size,... over data, fsdp, tensor, expert, pipeline, and dcn_<axis>=nodes the axis "
+                         "spans (default 1); without --mesh: the config's mesh.* (a -1 axis takes the rest)")
+    ap.add_argument("--hardware", required=True, help=f"one of {', '.join(HARDWARE)}")
     ap.add_argument("--nodes", type=int, default=1, help=f"nodes of {GPUS_PER_NODE} GPUs (default 1)")
     ap.add_argument("--json", default=None, help="also write the numbers to this JSON file")
     ap.add_argument("--check", action="store_true",
@@ -866,16 +1306,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("overrides", nargs="*", help="section.key=value config overrides")
     args = ap.parse_args(argv)
     try:
-        mesh = parse_mesh(args.mesh)
         if args.nodes < 1:
             raise ConfigError(f"--nodes {args.nodes}: must be a positive integer")
-        full = {a: mesh.get(a, 1) for a in AXES}
-        devices = math.prod(full.values())
-        if devices != args.nodes * GPUS_PER_NODE:
-            raise ConfigError(f"--mesh: {_mesh_str(full)} = {devices} devices, but --nodes {args.nodes} x "
-                              f"{GPUS_PER_NODE} GPUs = {args.nodes * GPUS_PER_NODE}")
-        cfg = load_for_mesh(args.config, args.overrides, full)
-        r = plan(cfg, full, args.hardware, args.nodes, search=not args.no_search)
+        hw = hardware_spec(args.hardware)
+        gpus = args.nodes * hw.gpus_per_node
+        if args.mesh is None:
+            mesh, dcn = config_mesh(args.config, args.overrides, gpus)
+        else:
+            mesh, dcn = parse_mesh(args.mesh)
+        devices = math.prod(mesh.values())
+        if devices != gpus:
+            raise ConfigError(f"--mesh: {_mesh_str(mesh)} = {devices} devices, but --nodes {args.nodes} x "
+                              f"{hw.gpus_per_node} GPUs = {gpus}")
+        check_dcn(mesh, dcn, args.nodes)
+        cfg = load_for_mesh(args.config, args.overrides, mesh, dcn)
+        r = plan(cfg, mesh, args.hardware, args.nodes, search=not args.no_search, dcn=dcn)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

@@ -1,7 +1,9 @@
 """Several processes on one machine (python -m r1jax.launch), with real processes and gloo:
 
 - 2 processes x 4 CPU devices train like 1 process x 8 devices reading the same two data shards
-  (per-step loss and final parameters within 1e-5);
+  (per-step loss and final parameters within 1e-5), on the default mesh and on node-aware ones
+  (mesh.dcn_*): expert across the processes, and a pipeline across them (GPipe, 1F1B, and the
+  seeds' tensor x data x pipeline layout);
 - the data shards are disjoint and complete, document by document, through the real pipeline;
 - a process whose peer never starts exits 1 with one line within distributed.init_timeout_s;
 - a stop signal sent to one process stops both at the same step, and resuming from there is
@@ -114,20 +116,51 @@ def one(tmp_path_factory) -> Path:
     return d
 
 
-def test_two_processes_train_like_one(two, one):
-    a, b = losses(two), losses(one)
+def differences(run_dir: Path, ref: Path) -> tuple[float, float]:
+    """(per-step loss max relative difference, final parameters max abs difference) of a run
+    against the reference run, which logged the same steps and holds the same arrays."""
+    a, b = losses(run_dir), losses(ref)
     assert sorted(a) == sorted(b) == list(range(1, STEPS + 1))
-    rel = max(abs(a[s] - b[s]) / abs(b[s]) for s in a)
-    pa, pb = params(two), params(one)
+    pa, pb = params(run_dir), params(ref)
     assert pa.keys() == pb.keys()
-    diff = max(float(np.max(np.abs(pa[k] - pb[k]))) for k in pa)
-    print(f"\n2x4 vs 1x8: per-step loss max rel diff {rel:.2e}, final params max abs diff {diff:.2e} "
-          f"over {len(pa)} arrays")
+    return (max(abs(a[s] - b[s]) / abs(b[s]) for s in a),
+            max(float(np.max(np.abs(pa[k] - pb[k]))) for k in pa))
+
+
+def test_two_processes_train_like_one(two, one):
+    rel, diff = differences(two, one)
+    print(f"\n2x4 vs 1x8: per-step loss max rel diff {rel:.2e}, final params max abs diff {diff:.2e}")
     assert rel <= 1e-5 and diff <= 1e-5
     assert json.loads((two / "final.json").read_text())["step"] == STEPS
     assert sorted(p.name for p in (two / "checkpoints").iterdir() if p.name.isdigit()) == ["3", "6"]
     assert sorted(p.name for p in (two / "checkpoints" / "6" / "data").glob("process_*")) == [
         "process_0-of-2.json", "process_1-of-2.json"]
+
+
+@pytest.mark.parametrize("name,extra,across", [
+    # expert 4 spans the two processes (2 devices in each), data 2 stays inside each: the
+    # opposite of the default order (data outermost)
+    ("data 2 inside x expert 4 across", ["mesh.data=2", "mesh.expert=4", "mesh.dcn_expert=2"], "expert 2"),
+    # each process one pipeline stage, reading only the rows its devices hold (outside the
+    # stages the batch is sharded over pipeline too)
+    ("pipeline across, gpipe, data 4 inside", ["mesh.data=4", "mesh.pipeline=2", "mesh.dcn_pipeline=2",
+                                               "train.microbatches=2"], "pipeline 2"),
+    ("pipeline across, 1f1b, data 4 inside", ["mesh.data=4", "mesh.pipeline=2", "mesh.dcn_pipeline=2",
+                                              "train.microbatches=2", "pipeline.schedule=1f1b"], "pipeline 2"),
+    ("pipeline across, gpipe, tensor 2 x data 2 inside (the seeds' layout)",
+     ["mesh.data=2", "mesh.tensor=2", "mesh.pipeline=2", "mesh.dcn_pipeline=2", "train.microbatches=2"], "pipeline 2"),
+])
+def test_node_aware_mesh_trains_like_one(one, tmp_path, name, extra, across):
+    """A node-aware mesh (mesh.dcn_<axis>: each process a node) over 2 processes x 4 devices
+    trains like 1 process x 8 devices without it."""
+    d = tmp_path / "run"
+    rc, out, err, secs = run(launch(d, *extra), clean_env())
+    assert rc == 0, err[-3000:]
+    assert f"across processes: {across}\n" in out, out[-2000:]
+    rel, diff = differences(d, one)
+    print(f"\n2 processes, {name} ({secs:.1f} s) vs 1 x 8: per-step loss max rel diff {rel:.2e}, "
+          f"final params max abs diff {diff:.2e}")
+    assert rel <= 1e-5 and diff <= 1e-5
 
 
 def test_data_shards_are_disjoint_and_complete():

@@ -6,10 +6,10 @@ localhost; Debian's slurm-wlm and munge, installed with apt-get when missing):
   script requeues the job, which comes back with the same arguments and run directory (with a
   stand-in trainer, so that this costs seconds, not two JAX start-ups);
 - a submission of the tiny config as 2 tasks x 4 CPU devices (one 8-device JAX job across two
-  srun-started processes) trains to train.stop_at, checkpoints with each process's data iterator
+  srun-started processes, in the seeds' layout: pipeline across them) trains to train.stop_at, checkpoints with each process's data iterator
   state, writes its log to logs/<job name>-<job id>.out and is not requeued;
-- a second submission on the same run directory resumes from that checkpoint and trains the rest:
-  every step exactly once.
+- a second submission on the same run directory resumes from that checkpoint on the default mesh
+  (data 8) and trains the rest: every step exactly once.
 
 Needs root (package install, daemons): skipped without it, unless CI is set, where it fails. The
 cluster is private to the test: its slurm.conf, state, logs and ports live in a temporary
@@ -38,6 +38,7 @@ TINY = ROOT / "configs" / "tiny.yaml"
 # the same step as tests/test_multiprocess.py: in one session, process 0 finds it compiled
 STEPS, STOP_AT = 6, 3
 ARGS = [f"train.steps={STEPS}", "checkpoint.every=3", "train.log_every=1", "train.eval_batches=0"]
+SEED_LAYOUT = ["mesh.data=2", "mesh.tensor=2", "mesh.pipeline=2", "mesh.dcn_pipeline=2", "train.microbatches=2"]
 DONE = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
         "PREEMPTED"}
 JOB_TIMEOUT = 900
@@ -334,10 +335,12 @@ def test_sigusr1_reaches_the_processes_and_the_job_requeues(slurm, workdir, how)
 
 @pytest.fixture(scope="module")
 def first(slurm, workdir):
-    """2 tasks x 4 CPU devices, stopping after STOP_AT steps (train.stop_at: a stop that is not requeued)."""
+    """2 tasks x 4 CPU devices, stopping after STOP_AT steps (train.stop_at: a stop that is not
+    requeued), in the seeds' layout scaled down: a pipeline across the tasks (nodes), tensor x data
+    inside each. The second submission resumes on the default mesh (data 8)."""
     run_dir = workdir / "run"
     t0 = time.time()
-    jid = slurm.submit(workdir, "--run-dir", str(run_dir), *ARGS, f"train.stop_at={STOP_AT}", **_env())
+    jid = slurm.submit(workdir, "--run-dir", str(run_dir), *ARGS, f"train.stop_at={STOP_AT}", *SEED_LAYOUT, **_env())
     log = workdir / "logs" / f"r1jax-{jid}.out"
     info = slurm.wait(jid, log)
     print(f"\njob {jid} (2 tasks x 4 devices, {STOP_AT} steps): {info.get('JobState')} in {time.time() - t0:.1f} s")
@@ -350,7 +353,8 @@ def test_sbatch_trains_and_checkpoints(first):
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, text[-3000:])
     assert info["Restarts"] == "0" and "requeueing" not in text
     assert f"job {jid} (r1jax), restart 0: 2 tasks on 1 node(s)" in text
-    assert "'data': 8" in text                       # one mesh over both processes' 4 devices
+    # one mesh over both processes' 4 devices, each process one pipeline stage
+    assert "'data': 2, 'fsdp': 1, 'tensor': 2, 'expert': 1, 'pipeline': 2}; across processes: pipeline 2" in text
     assert f"stopped at step {STOP_AT} (train.stop_at)" in text
     assert "training exited with code 0" in text
     assert _steps(run_dir) == list(range(1, STOP_AT + 1))

@@ -180,14 +180,21 @@ def capacity(tokens: int, k: int, experts: int, factor: float) -> int:
     return max(1, int(math.ceil(factor * tokens * k / experts)))
 
 
+def first_slots(key, n: int, cap: int):
+    """(position of each pair among the pairs with its key, kept): pairs [T, k] with keys in
+    [0, n) claim slots choice-major (every token's first choice before any second), and the
+    first `cap` per key keep theirs. The capacity paths' drop rule."""
+    T, k = key.shape
+    onehot = jax.nn.one_hot(key.T.reshape(-1), n, dtype=jnp.int32)
+    pos = ((jnp.cumsum(onehot, axis=0) * onehot).sum(1) - 1).reshape(k, T).T
+    return pos, pos < cap
+
+
 def routed_capacity(x, w, idx, gate, up, down, *, capacity_factor: float = 1.25, **_):
     T, k = idx.shape
     E, D = gate.shape[0], x.shape[1]
     C = capacity(T, k, E, capacity_factor)
-    choice_major = idx.T.reshape(-1)                                     # first choices get priority
-    onehot = jax.nn.one_hot(choice_major, E, dtype=jnp.int32)
-    pos = ((jnp.cumsum(onehot, axis=0) * onehot).sum(1) - 1).reshape(k, T).T   # [T,k] slot in expert
-    keep = pos < C
+    pos, keep = first_slots(idx, E, C)                                   # [T,k] slot in expert
     slot = jnp.where(keep, idx * C + pos, E * C)                         # E*C: the drop sentinel
     token = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[:, None], (T, k))
     table = jnp.full((E * C + 1,), T, jnp.int32).at[slot.reshape(-1)].set(token.reshape(-1))[:-1]
@@ -247,7 +254,8 @@ def routed_grouped(x, w, idx, gate, up, down, *, tile: int = 8, **_):
 
 
 ROUTED = {"loop": routed_loop, "gather": routed_gather, "dense": routed_dense, "dropless": routed_dropless,
-          "ragged": routed_ragged, "capacity": routed_capacity, "grouped": routed_grouped}
+          "ragged": routed_ragged, "capacity": routed_capacity, "grouped": routed_grouped,
+          "alltoall": routed_dropless}     # alltoall is an exchange between expert shards; alone, dropless
 
 
 def resolve(name: str) -> str:

@@ -102,7 +102,8 @@ class MoE(nnx.Module):
             experts = tuple(jnp.stack(t) for t in experts)
         opts = dict(tile=kn.moe_tile_size, capacity_factor=kn.capacity_factor)
         if expert_parallel.expert_axis()[1] > 1:        # experts sharded: exchange tokens (shard_map)
-            y, dropped = expert_parallel.routed(kind, x_TD, w, idx, *experts, **opts)
+            y, dropped = expert_parallel.routed(kind, x_TD, w, idx, *experts, buffer_factor=kn.moe_buffer_factor,
+                                                **opts)
         else:
             y, dropped = dispatch.ROUTED[kind](x_TD, w, idx, *experts, **opts)
         y = checkpoint_name(constrain(y.reshape(B, T, D), "batch", "seq", "act_embed"), "moe_routed")

@@ -16,6 +16,8 @@ state and constraining gradients to the parameters' annotations.
 from __future__ import annotations
 
 import contextlib
+import math
+from typing import Hashable, Sequence
 
 import jax
 import numpy as np
@@ -23,14 +25,14 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from r1jax import logical
-from r1jax.config import MeshConfig, resolve_mesh_shape
+from r1jax.config import ConfigError, MeshConfig, dcn_sizes, resolve_mesh_shape
 
 AXES = ("data", "fsdp", "tensor", "expert", "pipeline")
 
 # logical axis -> mesh axis (or axes, or None = replicated). First match wins per name.
 LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     # activations
-    ("batch", ("data", "fsdp", "expert")),
+    ("batch", ("data", "fsdp", "expert", "pipeline")),   # pipeline: outside the stages (parallel/pipeline.py)
     ("seq", None),
     ("act_embed", None),
     ("act_heads", "tensor"),
@@ -62,11 +64,68 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 
 
 def make_mesh(cfg: MeshConfig, devices: list | None = None) -> Mesh:
-    """A 5-axis Auto mesh over `devices` (default: all) with sizes from `cfg` (-1 filled in)."""
+    """A 5-axis Auto mesh over `devices` (default: all) with sizes from `cfg` (-1 filled in).
+
+    With every `mesh.dcn_<axis>` at 1 the devices are laid out in their order (jax.devices():
+    process by process), the first axis outermost. Otherwise the layout is node-aware
+    (`hybrid_order`): each process is a node, axis a spans dcn_<a> of them and keeps the rest
+    inside each, as `mesh_utils.create_hybrid_device_mesh(process_is_granule=True)` does."""
     devices = list(jax.devices()) if devices is None else list(devices)
     shape = resolve_mesh_shape(cfg, len(devices))
-    arr = np.asarray(devices, dtype=object).reshape([shape[a] for a in AXES])
-    return Mesh(arr, AXES, axis_types=(AxisType.Auto,) * len(AXES))
+    dcn = dcn_sizes(cfg)
+    if all(v == 1 for v in dcn.values()):
+        order = np.arange(len(devices))
+    else:
+        order = hybrid_order(shape, dcn, [d.process_index for d in devices])
+    arr = np.empty(len(devices), dtype=object)
+    arr[:] = [devices[i] for i in order.reshape(-1)]
+    return Mesh(arr.reshape([shape[a] for a in AXES]), AXES, axis_types=(AxisType.Auto,) * len(AXES))
+
+
+def hybrid_order(shape: dict[str, int], dcn: dict[str, int], nodes: Sequence[Hashable]) -> np.ndarray:
+    """The device layout of a node-aware mesh, as positions into a device list whose i-th device
+    sits on node `nodes[i]`: an int array of the mesh's shape (AXES order).
+
+    Axis a spans dcn[a] nodes and shape[a] // dcn[a] devices inside each node; its index is
+    node coordinate * inside size + inside coordinate. Nodes are taken in order of first
+    appearance, laid out over the dcn sizes with the first axis outermost; each node's devices
+    keep their order and are laid out over the inside sizes the same way. So `tensor` (and any
+    axis with dcn 1) never leaves a node, and an axis with inside size 1 has one device per node.
+    A pure function of (node, local position): tests check it on fake clusters."""
+    for a in AXES:
+        if shape[a] % dcn[a]:
+            raise ConfigError(f"mesh.dcn_{a}={dcn[a]}: must divide mesh.{a} ({shape[a]})")
+    inside = {a: shape[a] // dcn[a] for a in AXES}
+    members: dict[Hashable, list[int]] = {}
+    for i, node in enumerate(nodes):
+        members.setdefault(node, []).append(i)
+    want_nodes, want_local = math.prod(dcn.values()), math.prod(inside.values())
+    dcn_text = " x ".join(f"mesh.dcn_{a}={dcn[a]}" for a in AXES if dcn[a] > 1)
+    if len(members) != want_nodes:
+        raise ConfigError(f"{dcn_text}: the axes span {want_nodes} nodes, but the job has {len(members)} "
+                          f"process{'es' if len(members) != 1 else ''} (one per node); make the mesh.dcn_* "
+                          f"sizes multiply to {len(members)}")
+    sizes = {len(m) for m in members.values()}
+    if sizes != {want_local}:
+        raise ConfigError(f"{dcn_text}: each node must hold {want_local} devices (the mesh sizes divided by "
+                          f"the dcn sizes), but the processes hold {sorted(sizes)}")
+    grid = np.asarray(list(members.values()), dtype=np.int64)          # [node, local]
+    grid = grid.reshape([dcn[a] for a in AXES] + [inside[a] for a in AXES])
+    n = len(AXES)
+    grid = grid.transpose([k for i in range(n) for k in (i, n + i)])   # (dcn_a, inside_a) per axis
+    return grid.reshape([shape[a] for a in AXES])
+
+
+def spans(mesh: Mesh) -> dict[str, int]:
+    """{axis: processes one line of it spans} for the axes that leave a process, read from the
+    mesh's devices (what the layout really is, dcn sizes or not)."""
+    out = {}
+    for i, a in enumerate(mesh.axis_names):
+        line = np.moveaxis(mesh.devices, i, 0).reshape(mesh.devices.shape[i], -1)[:, 0]
+        n = len({d.process_index for d in line})
+        if n > 1:
+            out[a] = n
+    return out
 
 
 def single_device_mesh(device=None) -> Mesh:

@@ -1,9 +1,13 @@
 """Pipeline parallelism: the MoE stack split into `mesh.pipeline` stages.
 
 What is pipelined: the MoE layers only. The embedding and dense prefix (`Transformer.prologue`)
-and the final norm, head, MTP and loss (`epilogue`) run outside the stages, under GSPMD, on
-every pipeline rank (with the batch not sharded over `pipeline` they are computed redundantly
-there; they are a few percent of DeepSeek-V3's FLOPs).
+and the final norm, head, MTP and loss (`epilogue`) run outside the stages, under GSPMD, with
+the batch sharded over `pipeline` as well as the batch axes (the `batch` rule, MaxText's way):
+each stage computes them for its own 1/P of the rows, not all of them, and each process reads
+only the rows its devices hold, so stages may sit in different processes (nodes). Entering the
+stages, GSPMD gathers a data shard's rows over `pipeline` (inside the shard_map the batch is whole
+over it: `logical.spec` leaves manual axes out); leaving them, the last stage's output is summed
+to every stage and each keeps its rows. (Their parameters are still replicated over `pipeline`.)
 
 Layout. The model is always in model order; the layout belongs to the train state. There, the
 stack's parameters (and router biases, and their optimizer moments) live in `Layout.slots`
@@ -212,6 +216,7 @@ def forward(model, batch: dict, *, layout: Layout, microbatches: int, mtp: bool 
     M, Ps, R, C = microbatches, layout.stages, layout.repeats, layout.chunk
     input_ids = batch["ids"]
     x, positions, segment_ids = model.prologue(input_ids, batch["positions"], batch["segment_ids"])
+    x = logical.constrain(x, "batch", "seq", "act_embed")     # each stage its own rows, gathered entering the stages
     graphdef, state, valid = _stack_parts(model, layout)
     stage = _stage_fn(model, graphdef)
     ticks = M * R + Ps - 1
@@ -254,7 +259,9 @@ def forward(model, batch: dict, *, layout: Layout, microbatches: int, mtp: bool 
     run = jax.shard_map(per_device, in_specs=(P(AXIS), P(AXIS), P(), P(), P()), out_specs=(P(), P(AXIS)),
                         axis_names={AXIS})
     ym, acc = run(state, valid, _split(x, M), _split(positions, M), _split(segment_ids, M))
-    out = model.epilogue(_unsplit(ym), input_ids, positions, segment_ids, mtp=mtp)
+    # every stage holds the stack's output; each goes on with its own rows (the batch over pipeline)
+    y = logical.constrain(_unsplit(ym), "batch", "seq", "act_embed")
+    out = model.epilogue(y, input_ids, positions, segment_ids, mtp=mtp)
     return Output(out.logits, out.mtp_logits, {**_stage_aux(acc, layout), **out.aux})
 
 

@@ -12,16 +12,25 @@
 r1jax/parallel/pipeline.py; model order without a pipeline), and every variable carries the
 logical names its sharding comes from. `abstract` describes the whole state as
 ShapeDtypeStructs with shardings and allocates nothing: a resumed run restores straight into it.
+
+ZeRO-1 (`optim.zero1`): `params` and the per-parameter leaves of `opt` (Adam's mu and nu) are
+also split over mesh axis `data` (and `expert`, for leaves not already split over it): see
+`zero1_spec`. Each device then holds 1/data (1/(data x expert)) of the fp32 masters and moments
+that its model shard replicates. The train step gathers the masters to the model's own sharding
+(`model_shardings`, what the logical names say) for the forward and backward, and
+reduce-scatters the gradients back for the optimizer (r1jax/train/step.py). `rest` and the counters are unchanged.
+Checkpoints hold global arrays, so a run restores into either layout.
 """
 from __future__ import annotations
 
-from typing import Any
+import math
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from r1jax.config import Config, DType
 from r1jax.parallel import mesh as meshlib
@@ -56,23 +65,85 @@ def _counters(cfg: Config) -> dict:
     return {"step": jnp.int32(0), "loss_scale": {"scale": jnp.float32(scale), "good_steps": jnp.int32(0)}}
 
 
+ZERO1_AXES = ("data", "expert")
+
+
+def _axes(entry) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def zero1_spec(shape: tuple[int, ...], spec: PartitionSpec, axis_sizes: Mapping[str, int]) -> PartitionSpec:
+    """The ZeRO-1 spec of a leaf of `shape` whose model sharding is `spec`, on a mesh of
+    `axis_sizes` ({axis: size}): mesh axes `data` and `expert` (expert only when `spec` does not
+    use it already; axes of size 1 are left out) are appended to the first dimension whose size
+    divides by the product of the axes that dimension is already split over times theirs. If no
+    dimension does, `data` alone is tried the same way; if none divides by that either, `spec`
+    is returned as it is. A pure function of shapes and sizes (the planner counts bytes with it).
+
+    The new axes go after the dimension's own, so each model shard is split further: the step's
+    gather back to the model sharding is an all-gather over the new axes alone."""
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    used = {a for e in entries for a in _axes(e)}
+    new = tuple(a for a in ZERO1_AXES if a not in used and axis_sizes.get(a, 1) > 1)
+    for axes in dict.fromkeys([new, tuple(a for a in new if a == "data")]):
+        if not axes:
+            continue
+        k = math.prod(axis_sizes[a] for a in axes)
+        for i, (n, e) in enumerate(zip(shape, entries)):
+            if n % (math.prod(axis_sizes[a] for a in _axes(e)) * k) == 0:
+                joined = _axes(e) + axes
+                entries[i] = joined[0] if len(joined) == 1 else joined
+                return PartitionSpec(*entries)
+    return spec
+
+
+def zero1(tree: State, shardings: State, mesh: Mesh) -> State:
+    """`shardings` (the state's, from `meshlib.shardings(tree, mesh)`) with the leaves of
+    `params` and the per-parameter leaves of `opt` (its nnx Variables: Adam's mu and nu) in
+    their ZeRO-1 shardings (`zero1_spec`); `tree` gives the shapes. `rest` and the counters
+    (plain leaves, replicated) stay as they are."""
+    sizes = dict(mesh.shape)
+
+    def one(a, s):
+        if not isinstance(s, nnx.Variable):
+            return s
+        sh = s.get_value()
+        return s.replace(NamedSharding(mesh, zero1_spec(tuple(a.shape), sh.spec, sizes)))
+
+    def part(t, s):
+        return jax.tree.map(one, t, s, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return {**shardings, "params": part(tree["params"], shardings["params"]), "opt": part(tree["opt"], shardings["opt"])}
+
+
+def model_shardings(params_shardings: nnx.State, mesh: Mesh) -> nnx.State:
+    """The model's own shardings of the trainable leaves (what their logical names resolve to),
+    whatever `params_shardings` (the state's: ZeRO-1 or not) says."""
+    return meshlib.shardings(params_shardings, mesh)
+
+
 def abstract(model_state: nnx.State, tx: optax.GradientTransformation, cfg: Config,
              mesh: Mesh) -> tuple[State, State]:
     """(the state as ShapeDtypeStructs carrying their shardings, the shardings) for a model state
-    (abstract or concrete) already in the run's layout."""
+    (abstract or concrete) already in the run's layout; with `optim.zero1` the masters and
+    moments in their ZeRO-1 shardings."""
     params, rest = split(model_state, cfg)
     tree = {"params": params, "rest": rest, "opt": jax.eval_shape(tx.init, params),
             **jax.eval_shape(lambda: _counters(cfg))}
     shardings = meshlib.shardings(tree, mesh)
+    if cfg.optim.zero1:
+        shardings = zero1(tree, shardings, mesh)
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings), shardings
 
 
 def create(model_state: nnx.State, tx: optax.GradientTransformation, cfg: Config,
            mesh: Mesh) -> tuple[State, State]:
     """(a fresh run's state, its shardings) around concrete weights already in their shards:
-    the optimizer state is created directly in the params' shardings."""
+    the optimizer state is created directly in its shardings (with `optim.zero1`, the masters
+    are resharded into theirs first)."""
     params, rest = split(model_state, cfg)
     _, shardings = abstract(model_state, tx, cfg, mesh)
+    if cfg.optim.zero1:
+        params = jax.device_put(params, shardings["params"])
     opt = jax.jit(tx.init, out_shardings=shardings["opt"])(params)
     counters = _counters(cfg)
     return {"params": params, "rest": rest, "opt": opt,

@@ -13,6 +13,15 @@ such a step and doubles the scale after
 `loss_scale_growth_interval` good steps, like torch's GradScaler. After the optimizer,
 DeepSeek-V3's aux-loss-free balancing moves each router bias by
 gamma * sign(mean load - load) using the step's routed-token counts (`optim.bias_update_rate`).
+
+With ZeRO-1 (`optim.zero1`, r1jax/train/state.py) the state's masters and moments are split over
+`data` (and `expert`) beyond the model's sharding: the step first gathers the masters to the
+model's sharding (an all-gather, once per step, before any microbatch), computes the gradients
+there as without ZeRO-1, then constrains them to the masters' sharding (a reduce-scatter; XLA:CPU
+all-reduces and keeps each device's slice), so the optimizer update, the moments and the new
+masters stay split: the step's state arguments shrink by the same factor (tests/test_zero1.py). The gather is in fp32: the model
+casts each weight to the compute dtype at its use and keeps the router's weights in fp32 (expert
+selection is computed in fp32), so a bf16 copy gathered up front would change bf16 routing.
 """
 from __future__ import annotations
 
@@ -86,7 +95,9 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, cfg: Config, mes
     accum = t.grad_accum
     fp16 = t.dtype is DType.fp16
     has_moe = cfg.model.num_moe_layers > 0
-    msh = shardings["params"]
+    zsh = shardings["params"]                              # the masters' (ZeRO-1 or the model's)
+    msh = statelib.model_shardings(zsh, mesh)              # the model's: forward, backward, gradients
+    gather = jax.tree.leaves(zsh) != jax.tree.leaves(msh)  # ZeRO-1 on a mesh where it splits something
     layout = pipeline.mesh_layout(cfg, mesh)
     lr_schedule = optim.schedule(cfg.optim, t.steps)
 
@@ -109,22 +120,26 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, cfg: Config, mes
         scale = state["loss_scale"]["scale"]
         rows = batch["ids"].shape[0]
         tokens, grads_of = jnp.maximum(objective.tokens(batch), 1.0), functools.partial(grad_fn, rows=rows)
+        # ZeRO-1: the masters gathered to the model's sharding once, for every microbatch
+        model_params = jax.lax.with_sharding_constraint(state["params"], msh) if gather else state["params"]
         if accum == 1:
-            (loss, stats), grads = grads_of(state["params"], state["rest"], batch, tokens, scale)
+            (loss, stats), grads = grads_of(model_params, state["rest"], batch, tokens, scale)
         else:
             # microbatch a = rows a, a+A, ...: every device keeps the rows it already holds
             micro = jax.tree.map(lambda x: x.reshape(-1, accum, *x.shape[1:]).swapaxes(0, 1), batch)
 
             def body(carry, mb):
-                out, g = grads_of(state["params"], state["rest"], mb, tokens, scale)
+                out, g = grads_of(model_params, state["rest"], mb, tokens, scale)
                 g = jax.lax.with_sharding_constraint(g, msh)
                 return jax.tree.map(jnp.add, carry, (out, g)), None
 
             first = jax.tree.map(lambda x: x[0], micro)
             zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(
-                grads_of, state["params"], state["rest"], first, tokens, scale))
+                grads_of, model_params, state["rest"], first, tokens, scale))
             ((loss, stats), grads), _ = jax.lax.scan(body, zeros, micro)
         grads = jax.lax.with_sharding_constraint(jax.tree.map(lambda g: g / scale, grads), msh)
+        if gather:                                         # ZeRO-1: reduce-scattered to the masters' shards
+            grads = jax.lax.with_sharding_constraint(grads, zsh)
         loss = loss / scale
         finite = jnp.isfinite(loss) & jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
         updates, opt = tx.update(grads, state["opt"], state["params"])
@@ -167,9 +182,12 @@ def make_eval_step(graphdef, cfg: Config, mesh: Mesh, shardings: State, objectiv
     same forward as training (pipelined when the run is). Build it once per run."""
     objective = objective or objectives.make(cfg)
     layout = pipeline.mesh_layout(cfg, mesh)
+    msh = statelib.model_shardings(shardings["params"], mesh)
+    gather = jax.tree.leaves(shardings["params"]) != jax.tree.leaves(msh)
 
     def eval_step(state, batch):
-        out = forward(nnx.merge(graphdef, state["params"], state["rest"]), batch, cfg, layout, objective.mtp)
+        params = jax.lax.with_sharding_constraint(state["params"], msh) if gather else state["params"]   # ZeRO-1
+        out = forward(nnx.merge(graphdef, params, state["rest"]), batch, cfg, layout, objective.mtp)
         return objective(out, batch)[2]
 
     with meshlib.activate(mesh):

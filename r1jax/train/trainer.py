@@ -155,14 +155,14 @@ def teacher_logits(cfg: Config, mesh) -> Callable[[dict], jax.Array]:
 # --------------------------------------------------------------------------------- data
 def _check_process_rows(bsharding, batch: int) -> None:
     """Each process feeds its own rows: that needs its devices to hold their own batch shards,
-    i.e. the axes the batch is not sharded over (tensor, pipeline) must not span processes."""
+    i.e. the axis the batch is not sharded over (tensor) must not span processes."""
     if jax.process_count() == 1:
         return
     local = {idx[0].indices(batch)[:2] for idx in bsharding.addressable_devices_indices_map((batch,)).values()}
     total = {idx[0].indices(batch)[:2] for idx in bsharding.devices_indices_map((batch,)).values()}
     if len(local) * jax.process_count() != len(total):
         raise ConfigError(f"mesh: {dict(bsharding.mesh.shape)} puts replicas of a batch shard in different "
-                          f"processes (mesh.tensor x mesh.pipeline must fit in one process's "
+                          f"processes (mesh.tensor must fit in one process's "
                           f"{jax.local_device_count()} devices); each process reads its own rows")
 
 
@@ -379,7 +379,9 @@ def train(cfg: Config, run_dir: str | Path) -> dict[str, float]:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(configlib.dump_yaml(cfg))
     data = _sft_data(cfg, run_dir) if sft_run else _lm_data(cfg, run_dir)
-    log_line(f"mesh {dict(mesh.shape)}")
+    across = meshlib.spans(mesh)
+    log_line(f"mesh {dict(mesh.shape)}" + (f"; across processes: {', '.join(f'{a} {n}' for a, n in across.items())}"
+                                          if across else ""))
 
     n = count_params(m)
     log_line(f"model: {n.main / 1e6:.1f}M parameters (+{n.mtp / 1e6:.1f}M MTP), {n.activated / 1e6:.1f}M "
