@@ -76,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     md = "\n".join(lines)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "scale_state.md").write_text(md)
-    (RESULTS / "scale_state.json").write_text(json.dumps(rows, indent=1, default=str))
+    slim = [{k: v for k, v in r.items() if k != "arrays"} for r in rows]     # per-leaf detail: memory.json's
+    (RESULTS / "scale_state.json").write_text(json.dumps(slim, indent=1, default=str))
     print(md)
     return 0
 

@@ -312,8 +312,8 @@ class GRPOConfig:
 class MeshConfig:
     """Device mesh sizes; one axis may be -1, meaning all remaining devices.
 
-    `dcn_<axis>`: how many nodes (processes: r1jax runs one per node, or one per GPU) the axis
-    spans; the rest of it, <axis> / dcn_<axis>, stays inside each one, on its fast links. All 1
+    `dcn_<axis>`: how many nodes the axis spans, each process counting as a node (so run one
+    process per node); the rest of it, <axis> / dcn_<axis>, stays inside each one, on its fast links. All 1
     (the default): devices are laid out in `jax.devices()` order, the first axis outermost. See
     r1jax/parallel/mesh.py."""
     data: int = -1
