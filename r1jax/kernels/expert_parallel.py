@@ -2,7 +2,7 @@
 to (under the active rules; this module names no mesh axis), tokens exchanged inside
 `jax.shard_map` (manual over the batch axes, the rest left to GSPMD).
 
-Two exchanges, chosen by `kernels.moe_dispatch`:
+Three exchanges, chosen by `kernels.moe_dispatch`:
 - `capacity`: each shard sends each expert at most C = ceil(cf * T_local * k / E) of its pairs
   through `all_to_all`, the owner runs them as one batched [E_local, ep*C, D] product, a second
   `all_to_all` brings the results back; overflow pairs are dropped and counted. Static shapes
