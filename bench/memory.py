@@ -11,7 +11,7 @@ seq_len) batch and compiled, and the table reports:
     plus the batch shard, for cross-checking the column before);
   - temp: `memory_analysis().temp_size_in_bytes`, the activations and workspace of the step;
   - for pipeline meshes: the schedule, pipeline microbatches M, repeats R and the lockstep bubble
-    (P-1)/(M*R+P-1) (`r1jax.parallel.pipeline.bubble`).
+    (`r1jax.parallel.pipeline.bubble`: (P-1)/(M*R+P-1), 1f1b (2P-2)/(M+2P-2)).
 Then two pipeline schedules, gpipe and 1f1b, on (pipeline 4, data 2) at M=4 and M=8 with the
 microbatch fixed at 2 rows (global batch 2M), to show how their temp memory grows with M; and the
 (fsdp 8) / (data 8) ratio of per-device param+opt bytes on `--config` and on `--fsdp-config`
@@ -54,16 +54,17 @@ MESHES: dict[str, list[str]] = {
     "data2_fsdp2_tensor2": ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"],
     "expert4_data2": ["mesh.data=2", "mesh.expert=4"],
     "pipeline2_data4 gpipe": ["mesh.data=4", "mesh.pipeline=2", "train.microbatches=2"],
-    "pipeline4_data2 1f1b": ["mesh.data=2", "mesh.pipeline=4", "train.microbatches=4", "pipeline.schedule=1f1b"],
+    "pipeline4_data2 1f1b": ["mesh.data=2", "mesh.pipeline=4", "train.microbatches=1", "pipeline.schedule=1f1b"],
     "pipeline2_tensor2_data2 circular": ["mesh.data=2", "mesh.tensor=2", "mesh.pipeline=2", "train.microbatches=2",
                                          "pipeline.schedule=circular", "pipeline.repeats=2"],
 }
-# gpipe vs 1f1b on (pipeline 4, data 2) at M microbatches of 2 rows each (1 row per data shard)
+# gpipe vs 1f1b on (pipeline 4, data 2) at M microbatches of 8 rows each (4 per data shard: 1f1b shares
+# the epilogue over the 4 stages by rows)
 SCHEDULE_MS = (4, 8)
 
 
 def schedule_overrides(schedule: str, m: int) -> list[str]:
-    return ["mesh.data=2", "mesh.pipeline=4", f"train.microbatches={m}", f"train.global_batch_size={2 * m}",
+    return ["mesh.data=2", "mesh.pipeline=4", f"train.microbatches={m}", f"train.global_batch_size={8 * m}",
             f"pipeline.schedule={schedule}"]
 
 
@@ -109,7 +110,7 @@ def measure(overrides: list[str], config: str | Path = TINY, compile: bool = Tru
             P = mesh.shape["pipeline"]
             R = layout.repeats if layout is not None else 1
             out["pipeline"] = {"schedule": cfg.pipeline.schedule.value, "stages": P, "microbatches": t.microbatches,
-                               "repeats": R, "bubble": pipeline.bubble(P, t.microbatches, R),
+                               "repeats": R, "bubble": pipeline.bubble(P, t.microbatches, R, cfg.pipeline.schedule),
                                "moe_layers": cfg.model.num_moe_layers, "slots": layout.slots if layout is not None else None}
         setup = build(cfg, mesh)
         state, step = setup.state, setup.step
@@ -189,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
             same = next((r for r in rows.values() if "error" not in r and _same_config(r["overrides"], ov, args.config)),
                         None)
             r = same or measure(ov, args.config)
-            sched.append({"schedule": s, "microbatches": m, "global_batch_size": 2 * m, **r})
+            sched.append({"schedule": s, "microbatches": m, "global_batch_size": 8 * m, **r})
             print(f"pipeline4_data2 {s} M={m}: " + (r["error"] if "error" in r else f"temp {_kib(r['temp_bytes'])}"),
                   flush=True)
 
@@ -269,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
              f"{cfg_name}, fp32, 8 fake CPU devices; every column is per device. param+opt: one shard of each "
              "parameter, router bias and AdamW state array; argument and temp: "
              "`compiled.memory_analysis()` of the whole train step (argument = the state plus this device's batch "
-             "rows; temp = activations and workspace). Bubble: (P-1)/(M*R+P-1).\n"),
+             "rows; temp = activations and workspace). Bubble: (P-1)/(M*R+P-1); 1f1b (2P-2)/(M+2P-2).\n"),
             "\n".join(table) + "\n",
             f"Pipeline schedules on (pipeline 4, data 2), {cfg_name}, microbatches of 2 rows (global batch 2M):\n",
             "\n".join(stable) + "\n",
@@ -297,11 +298,11 @@ def main(argv: list[str] | None = None) -> int:
             + (f"; with {pads[0]['pipeline']['moe_layers']} MoE layers in {pads[0]['pipeline']['slots']} slots, "
                f"{pads[0]['pipeline']['slots'] - pads[0]['pipeline']['moe_layers']} slots are zero pads." if pads else "."))
     if growth:
-        summary.append(f"From M={SCHEDULE_MS[0]} to M={SCHEDULE_MS[-1]} microbatches of 2 rows (so twice the global "
+        summary.append(f"From M={SCHEDULE_MS[0]} to M={SCHEDULE_MS[-1]} microbatches of 8 rows (so twice the global "
                        "batch) temp memory grows " + " and ".join(f"{g:.2f}x under {s}" for s, g in growth.items())
-                       + f" while the bubble shrinks from {pipeline_bubble(4, SCHEDULE_MS[0]):.3f} to "
+                       + f" while GPipe's bubble shrinks from {pipeline_bubble(4, SCHEDULE_MS[0]):.3f} to "
                        f"{pipeline_bubble(4, SCHEDULE_MS[-1]):.3f}: GPipe keeps every microbatch's residuals until "
-                       "the backward, 1F1B at most P stage inputs.")
+                       "the backward, 1F1B at most 2P-1 stage inputs.")
     if errors:
         summary.append(f"Failed to build or compile: {', '.join(errors)} (the error is in the row).")
     text.append(" ".join(summary) + "\n")

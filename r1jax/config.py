@@ -848,11 +848,12 @@ def validate(cfg: Config) -> None:
                                 f"supported yet; use mesh.expert=1 with mesh.pipeline={mesh.pipeline}")
     if mesh.pipeline > 1:
         if pp.schedule is Schedule.onefoneb:
-            other = {k: v for k, v in axes.items() if k in ("fsdp", "tensor", "expert") and v != 1}
-            _need(not other, f"pipeline.schedule=1f1b: mesh.{next(iter(other), '')}={next(iter(other.values()), 0)}: "
-                             f"1f1b runs with mesh.data x mesh.pipeline only (its stages run under a per-device "
-                             f"switch, where GSPMD collectives are not allowed); use gpipe or circular with "
-                             f"fsdp/tensor")
+            # 1F1B shares the last stage's epilogue out over the stages by rows of a data shard
+            data_rows = per_micro // t.microbatches // max(axes["data"], 1)
+            _need(data_rows % mesh.pipeline == 0,
+                  f"train.microbatches={t.microbatches}: under pipeline.schedule=1f1b each pipeline microbatch's "
+                  f"rows on one data shard ({data_rows}) must be divisible by mesh.pipeline={mesh.pipeline} (the "
+                  f"stages share the epilogue by rows); use fewer microbatches or a larger global batch")
         _need(pp.schedule is not Schedule.circular or t.microbatches >= mesh.pipeline,
               f"train.microbatches={t.microbatches}: the circular schedule needs at least mesh.pipeline="
               f"{mesh.pipeline} microbatches")

@@ -571,24 +571,21 @@ def _phases(cfg: Config, mesh: dict[str, int], st: dict, g: Geometry) -> list[tu
     dense_bwd = ph("backward dense layers", r_dense, 0, w_dense + bwd_dense, grads_all - parts.get("embed", 0))
 
     if P > 1 and n_moe and cfg.pipeline.schedule is Schedule.onefoneb:
-        # 1F1B (pipeline.loss_and_grads_1f1b), batch axes manual: the routed sort and the epilogue
-        # see this device's rows of one pipeline microbatch. A device keeps at most k_in stage
-        # inputs and the activation/gradient rings, the input gradients of all M microbatches,
-        # and one set of running gradient sums (the branches' zero-filled outputs share them in
-        # XLA's buffers). The last stage's forward branch runs the stage and the epilogue's
-        # forward and backward; a backward branch recomputes its chunk of layers for one microbatch.
-        from r1jax.parallel.pipeline import schedule_1f1b
+        # the lock-step 1F1B (pipeline.loss_and_grads_1f1b), pipeline and data manual: every tick
+        # runs one stage forward, the epilogue's forward and backward on 1/P of the last stage's
+        # rows, and one stage backward (recomputed from the kept input). A device keeps a ring of
+        # 2P-1 stage inputs, the received activation and gradient, the stage outputs, the inputs
+        # and input gradients of all M microbatches, and one set of running gradient sums.
+        from r1jax.parallel.pipeline import ticks_1f1b
         layout = _layout(cfg, mesh)
-        _, _, _, _, (k_act, k_in, k_grad) = schedule_1f1b(P, t.microbatches)
+        _, ring = ticks_1f1b(P, t.microbatches)
         xs = rs * T * m.hidden_size * dt
-        carry = (k_act + k_in + k_grad + t.microbatches + 3) * xs + grads_all
-        ep = _epilogue(cfg, g, rs, w_gather, local_sort=True)
-        # the forward branch runs the stage plainly (its backward recomputes it) and, on the last
-        # stage, the epilogue's forward and backward (jax.vjp) on top of the stage's output
-        fwd_last = max(layer_working(m, g, True, rs, True) + w_gather,
-                       ep["saved"] + ep["all_logits"] + max(ep["bwd_work"], ep["fwd_work"]))
+        carry = (ring + 2 * t.microbatches + 4) * xs + grads_all
+        ep = _epilogue(cfg, g, rs // P if rs >= P else rs, w_gather, local_sort=True)
+        fwd = layer_working(m, g, True, rs, True) + w_gather
+        epi = ep["saved"] + ep["all_logits"] + max(ep["bwd_work"], ep["fwd_work"])
         bwd = layout.chunk * sum(layer_inventory(m, g, True, rs, True).values()) + layer_working(m, g, True, rs, True)
-        return [*dense_phases, ph("1F1B ticks", r_dense + carry, 0, max(fwd_last, bwd), 0), dense_bwd, opt]
+        return [*dense_phases, ph("1F1B ticks", r_dense + carry, 0, max(fwd, epi, bwd), 0), dense_bwd, opt]
 
     # the MoE stack: one scan (no pipeline), or GPipe/circular's scan over M*R+P-1 ticks, where
     # autodiff keeps every tick's residuals of its chunk of layers (bubble ticks included) and the
@@ -773,7 +770,10 @@ def _activation_traffic(cfg: Config, mesh: dict[str, int], g: Geometry) -> list[
     if P > 1:
         xs = g.rows_stage * g.seq * D * dt                               # one microbatch's stage input
         onefoneb = cfg.pipeline.schedule is Schedule.onefoneb
-        sends = 2 * (M if onefoneb else M * layout.repeats + P - 1)      # forward and backward, every tick
+        ticks = M + 2 * P - 2 if onefoneb else M * layout.repeats + P - 1
+        sends = 2 * ticks                                                # forward and backward, every tick
+        if onefoneb:                                                     # the epilogue's rows out and gradients back
+            out.append(("pipeline", "epilogue rows", "all_gather", A * 2 * ticks * xs * (P - 1) / P))
         out += [("pipeline", "stage boundaries", "permute", A * sends * xs),
                 # the stages take a data shard's rows whole (outside they are split over pipeline)
                 ("pipeline", "stack input all-gather", "all_gather", A * M * xs),

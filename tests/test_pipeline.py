@@ -1,5 +1,5 @@
-"""Pipeline layout and schedules as data (no compiles): where layers live, the 1F1B table, the
-bubble, and the config errors. The schedules' numbers are checked end to end in test_mesh.py."""
+"""Pipeline layout and schedules as data (no compiles): where layers live, the lock-step 1F1B's
+ticks, the bubble, and the config errors. The schedules' numbers are checked end to end in test_mesh.py."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from r1jax import config as configlib
-from r1jax.parallel.pipeline import Layout, bubble, schedule_1f1b
+from r1jax.config import Schedule
+from r1jax.parallel.pipeline import Layout, bubble, ticks_1f1b
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,40 +34,42 @@ def test_circular_layout_interleaves_virtual_stages():
     assert Layout(2, 2, 2).order.reshape(2, -1).tolist() == [[0, -1], [1, -1]]     # tiny: 2 layers, 4 virtual
 
 
-@pytest.mark.parametrize("P,M", [(2, 2), (2, 4), (4, 4), (4, 8), (3, 5), (4, 2)])
-def test_1f1b_table(P, M):
-    op, mb, recv_f, recv_b, (k_act, k_in, k_grad) = schedule_1f1b(P, M)
-    T = op.shape[0]
-    assert T == 2 * (M + P - 1)                               # lockstep: the bubble is (P-1)/(M+P-1)
-    assert abs(1 - (op > 0).sum() / (T * P) - bubble(P, M)) < 1e-12
-    when = {}
-    for t in range(T):
-        for s in range(P):
-            if op[t, s]:
-                when[(s, "FB"[op[t, s] - 1], int(mb[t, s]))] = t
+@pytest.mark.parametrize("P,M", [(2, 2), (2, 4), (4, 4), (4, 8), (3, 5), (4, 2), (16, 128)])
+def test_1f1b_lock_step_ticks(P, M):
+    """The lock-step 1F1B's rule (stage s: forward of t-s, backward of t-(2P-2-s)) runs every
+    forward after the previous stage's and every backward after the next stage's, each one tick
+    later (what the ppermutes deliver), the last stage's backward in its forward's tick, and no
+    stage input is overwritten in its ring before its backward reads it."""
+    T, ring = ticks_1f1b(P, M)
+    assert T == M + 2 * P - 2 and ring == 2 * P - 1
+    fwd = {(s, t - s): t for t in range(T) for s in range(P) if 0 <= t - s < M}
+    bwd = {(s, t - (2 * P - 2 - s)): t for t in range(T) for s in range(P) if 0 <= t - (2 * P - 2 - s) < M}
+    assert len(fwd) == len(bwd) == P * M                      # every (stage, microbatch) once each way
     for s in range(P):
         for m in range(M):
-            f, b = when[(s, "F", m)], when[(s, "B", m)]
-            assert f < b
             if s:
-                assert when[(s - 1, "F", m)] < f and recv_f[when[(s - 1, "F", m)], s] == m
+                assert fwd[(s, m)] == fwd[(s - 1, m)] + 1
             if s < P - 1:
-                assert when[(s + 1, "B", m)] < b and recv_b[when[(s + 1, "B", m)], s] == m
-        # stage s keeps at most P - s stage inputs: the memory 1F1B is for
-        held = max(sum(1 for m in range(M) if when[(s, "F", m)] <= t < when[(s, "B", m)]) for t in range(T))
-        assert held <= P - s
-    assert k_in <= P and k_act <= 2 and k_grad <= 2
+                assert bwd[(s, m)] == bwd[(s + 1, m)] + 1
+            else:
+                assert bwd[(s, m)] == fwd[(s, m)]
+            # written at its forward into slot m % ring; later forwards of this stage must not reuse it first
+            reused = [n for n in range(m + 1, M) if n % ring == m % ring and fwd[(s, n)] <= bwd[(s, m)]]
+            assert not reused
+    busy = sum(1 for v in (fwd, bwd) for _ in v) / 2 / (T * P)
+    assert abs(1 - busy - bubble(P, M, schedule=Schedule.onefoneb)) < 1e-12
 
 
 def test_bubble():
     assert bubble(4, 8) == pytest.approx(3 / 11)
     assert bubble(4, 8, 2) == pytest.approx(3 / 19)
     assert bubble(1, 8) == 0
+    assert bubble(4, 8, schedule=Schedule.onefoneb) == pytest.approx(6 / 14)
 
 
 @pytest.mark.parametrize("overrides,needle", [
-    (["mesh.data=2", "mesh.pipeline=2", "mesh.tensor=2", "pipeline.schedule=1f1b", "train.microbatches=2"],
-     "pipeline.schedule=1f1b: mesh.tensor=2"),
+    (["mesh.data=2", "mesh.pipeline=4", "pipeline.schedule=1f1b", "train.microbatches=2"],
+     "train.microbatches=2: under pipeline.schedule=1f1b each pipeline microbatch's rows on one data shard (2)"),
     (["mesh.data=4", "mesh.pipeline=2", "pipeline.schedule=circular", "pipeline.repeats=2"],
      "train.microbatches=1: the circular schedule needs at least mesh.pipeline=2"),
     (["mesh.data=4", "mesh.pipeline=2", "pipeline.repeats=2"], "pipeline.repeats=2: only the circular schedule"),

@@ -20,17 +20,21 @@ and `to_layers` move a state between the model's order and a layout (at the weig
 checkpoint boundaries); checkpoints hold the slots as they are and record the layout, and
 restoring onto another layout reorders (r1jax/checkpoint/).
 
-Schedules (all inside `jax.shard_map`, manual over `pipeline` only; data/fsdp/tensor stay GSPMD
-inside each stage):
+Schedules (all inside `jax.shard_map`, manual over `pipeline` (1f1b: and `data`); the other axes
+stay GSPMD inside each stage):
 - gpipe: M microbatches flow through P stages in M+P-1 ticks; autodiff gives the backward.
 - circular: R virtual stages per device; stage P-1's output wraps round to stage 0 for the next
   repeat (M >= P). M*R+P-1 ticks of 1/R the work: the bubble shrinks R-fold.
-- 1f1b: a static per-stage table (P-s-1 warm-up forwards, then one forward / one backward) run
-  tick by tick with `lax.switch`; the backward of a stage is its explicit `jax.vjp`, recomputed
-  from the stage input it kept, so each device holds at most P microbatch inputs instead of the
-  residuals of all M. The last stage runs the epilogue and loss per microbatch and starts that
-  microbatch's backward at once.
-Bubble fraction (P-1)/(M*R+P-1) for all three (R=1 except circular): `bubble()`.
+- 1f1b: lock-step, pipeline and data manual: at tick t stage s runs the forward of microbatch
+  t-s and the backward of microbatch t-(2P-2-s), each masked when it has none, so every device
+  runs the same collectives (a per-stage branch holding GSPMD's fsdp/tensor collectives deadlocks
+  on XLA:CPU, whose collectives wait for every device). The backward of a stage is its explicit
+  `jax.vjp`, recomputed from the stage input it kept (a ring of 2P-1 inputs, not the residuals
+  of all M). The last stage's output is scattered over the stages by rows; each runs the
+  epilogue and loss on 1/P of them and the rows' gradients go back to the last stage, which runs
+  that microbatch's backward in the same tick. M+2P-2 ticks of one forward and one backward.
+Bubble fraction (P-1)/(M*R+P-1) for gpipe and circular (R=1 except circular), (2P-2)/(M+2P-2)
+for 1f1b: `bubble()`.
 """
 from __future__ import annotations
 
@@ -164,8 +168,12 @@ def mesh_layout(cfg: Config, mesh) -> Layout | None:
     return layout_for(cfg, stages) if stages > 1 else None
 
 
-def bubble(stages: int, microbatches: int, repeats: int = 1) -> float:
-    """Idle fraction of a lockstep schedule: (P-1)/(M*R+P-1)."""
+def bubble(stages: int, microbatches: int, repeats: int = 1, schedule: Schedule = Schedule.gpipe) -> float:
+    """Idle fraction of a lockstep schedule: (P-1)/(M*R+P-1) for gpipe and circular; (2P-2)/(M+2P-2)
+    for 1f1b, whose every tick costs a forward and a backward (`ticks_1f1b`)."""
+    if schedule is Schedule.onefoneb:
+        ticks, _ = ticks_1f1b(stages, microbatches)
+        return 1 - microbatches / ticks
     return (stages - 1) / (microbatches * repeats + stages - 1)
 
 
@@ -266,79 +274,13 @@ def forward(model, batch: dict, *, layout: Layout, microbatches: int, mtp: bool 
 
 
 # ------------------------------------------------------------------------------ 1F1B
-@functools.lru_cache(maxsize=32)
-def schedule_1f1b(stages: int, microbatches: int):
-    """The 1F1B table: (op [T,P], mb [T,P], recv_f [T,P], recv_b [T,P], ring sizes).
-
-    op 0 idle, 1 forward, 2 backward, each one tick; stage s runs min(P-s-1, M) warm-up forwards,
-    then alternates backward/forward, then drains its backwards (Megatron's order), each op as
-    soon as its input has arrived. recv_f[t,s] / recv_b[t,s]: the microbatch whose activation /
-    gradient reaches stage s after tick t (-1: none). Ring sizes are the most items any stage
-    holds at once: received activations, kept stage inputs, received gradients."""
-    Ps, M = stages, microbatches
-    orders = []
-    for s in range(Ps):
-        warm = min(Ps - s - 1, M)
-        seq = [("F", m) for m in range(warm)]
-        f, b = warm, 0
-        while b < M:
-            if f < M:
-                seq.append(("F", f))
-                f += 1
-            seq.append(("B", b))
-            b += 1
-        orders.append(seq)
-    done_f = [[None] * M for _ in range(Ps)]
-    done_b = [[None] * M for _ in range(Ps)]
-    pos = [0] * Ps
-    rows = []
-    t = 0
-    while any(pos[s] < len(orders[s]) for s in range(Ps)):
-        row = []
-        for s in range(Ps):
-            if pos[s] == len(orders[s]):
-                row.append((0, 0))
-                continue
-            kind, m = orders[s][pos[s]]
-            if kind == "F":
-                ready = s == 0 or (done_f[s - 1][m] is not None and done_f[s - 1][m] < t)
-            else:
-                ready = (done_f[s][m] is not None and done_f[s][m] < t) if s == Ps - 1 else \
-                    (done_b[s + 1][m] is not None and done_b[s + 1][m] < t)
-            row.append((1 if kind == "F" else 2, m) if ready else (0, 0))
-        for s, (op, m) in enumerate(row):
-            if op:
-                (done_f if op == 1 else done_b)[s][m] = t
-                pos[s] += 1
-        rows.append(row)
-        t += 1
-        if t > 4 * (M + Ps) + 8:
-            raise RuntimeError("1F1B schedule did not converge")
-    T = len(rows)
-    op = np.array([[r[0] for r in row] for row in rows], np.int32)
-    mb = np.array([[r[1] for r in row] for row in rows], np.int32)
-    recv_f = np.full((T, Ps), -1, np.int32)
-    recv_b = np.full((T, Ps), -1, np.int32)
-    for t in range(T):
-        for s in range(Ps):
-            if s > 0 and op[t, s - 1] == 1:
-                recv_f[t, s] = mb[t, s - 1]
-            if s < Ps - 1 and op[t, s + 1] == 2:
-                recv_b[t, s] = mb[t, s + 1]
-
-    def most(arrive, leave):            # items held at once, per stage, given arrival/consumption ticks
-        best = 1
-        for s in range(Ps):
-            held = 0
-            for t in range(T):
-                held += sum(1 for m in range(M) if arrive(s, m) == t)
-                best = max(best, held)
-                held -= sum(1 for m in range(M) if leave(s, m) == t)
-        return best
-    k_act = most(lambda s, m: done_f[s - 1][m] if s else -1, lambda s, m: done_f[s][m] if s else -1)
-    k_in = most(lambda s, m: done_f[s][m], lambda s, m: done_b[s][m])
-    k_grad = most(lambda s, m: done_b[s + 1][m] if s < Ps - 1 else done_f[s][m], lambda s, m: done_b[s][m])
-    return op, mb, recv_f, recv_b, (k_act, k_in, k_grad)
+def ticks_1f1b(stages: int, microbatches: int) -> tuple[int, int]:
+    """(ticks, input ring size) of the lock-step 1F1B: at tick t stage s runs the forward of
+    microbatch t-s and the backward of microbatch t-(2P-2-s) (each when it exists), so the last
+    stage runs a microbatch's forward, loss and backward in one tick and its gradient reaches
+    stage 0 P-1 ticks later: M+2P-2 ticks. Stage s keeps its input of a microbatch from its
+    forward to its backward, 2(P-1-s) ticks: a ring of 2P-1 slots is never overwritten early."""
+    return microbatches + 2 * stages - 2, 2 * stages - 1
 
 
 def _key(path: tuple) -> str:
@@ -366,17 +308,21 @@ def loss_and_grads_1f1b(graphdef, params: nnx.State, rest: nnx.State, batch: dic
     """One (grad_accum) microbatch under 1F1B: ((loss * scale, stats), grads of params).
 
     `head_loss(model, y, piece)` -> (loss, stats) is the epilogue and objective of one piece of
-    `batch` (a pipeline microbatch's rows on one data shard; every [B, ...] entry of the batch dict
-    is split alike), normalised by whole-step constants so that the pieces' losses add; its stats
-    are sums. `balance_ct` is d loss / d(each stack layer's balance sum): the balance loss is
-    linear in those sums, so their cotangent is this constant.
+    `batch` (some rows of a pipeline microbatch on one data shard; every [B, ...] entry of the
+    batch dict is split alike), normalised by whole-step constants so that the pieces' losses
+    add; its stats are sums. `balance_ct` is d loss / d(each stack layer's balance sum): the
+    balance loss is linear in those sums, so their cotangent is this constant.
 
-    Both `pipeline` and `data` are manual here: a stage's ops run under `lax.switch` on a
-    per-device index, and no collective may sit inside the branches (XLA:CPU's in-process
-    collectives wait for every device, so a branch that only some take deadlocks). With the
-    batch manual, a stage needs none; the gradient sums over `data` run once, at the end."""
+    Lock-step (`ticks_1f1b`): every stage runs the same program every tick, one forward, the
+    epilogue and one backward, each masked when it has no microbatch, so a collective of the
+    axes left to GSPMD inside a stage (fsdp, tensor) is run by every device alike; XLA:CPU's
+    in-process collectives wait for every device of the program, and a per-stage branch holding
+    one deadlocks. The epilogue (head, MTP, loss) of the last stage's output is shared: the
+    output's rows are scattered over the stages, each runs the epilogue's forward and backward
+    on 1/P of them, and the rows' gradients are gathered back to the last stage. `pipeline` and
+    `data` are manual; the gradient sums over `data` run once, at the end."""
     M, Ps = microbatches, layout.stages
-    op_t, mb_t, rf_t, rb_t, (k_act, k_in, k_grad) = schedule_1f1b(Ps, M)
+    ticks, ring = ticks_1f1b(Ps, M)
     stack_v, other_v = _partition(params)
     rest_stack, rest_other = _partition(rest)
     model = nnx.merge(graphdef, params, rest)
@@ -402,7 +348,7 @@ def loss_and_grads_1f1b(graphdef, params: nnx.State, rest: nnx.State, batch: dic
         vary = functools.partial(_vary, axes=ONEFONEB_MANUAL)
         # weights varying over data too: their gradients stay per shard, summed once at the end
         stack, other = vary(stack), vary(other)
-        row = lambda tbl, t: jnp.asarray(tbl)[t][s]     # noqa: E731
+        piece_rows = xm.shape[1] // Ps
 
         def stage_w(stack_, x, m):
             y, aux = stage(block_state(stack_, rstack), valid, x, bm["positions"][m], bm["segment_ids"][m])
@@ -411,85 +357,60 @@ def loss_and_grads_1f1b(graphdef, params: nnx.State, rest: nnx.State, batch: dic
         def post(other_, y, m):
             mdl = nnx.merge(graphdef, _state_of(params, {**stack, **other_}),
                             _state_of(rest, {**rstack, **rother}))
-            return head_loss(mdl, y, {k: v[m] for k, v in bm.items()})
+            piece = {k: lax.dynamic_slice_in_dim(v[m], s * piece_rows, piece_rows) for k, v in bm.items()}
+            return head_loss(mdl, y, piece)
 
-        zeros_like = lambda t: jax.tree.map(jnp.zeros_like, t)      # noqa: E731
-        aux_shape = jax.eval_shape(lambda: stage_w(stack, xm[0], 0)[1])
-        y_shape = jax.ShapeDtypeStruct(xm.shape[1:], xm.dtype)
-        post_shape = jax.eval_shape(lambda: post(other, jnp.zeros(y_shape.shape, y_shape.dtype), 0))
+        masked = lambda on, t: jax.tree.map(lambda a: jnp.where(on, a, jnp.zeros_like(a)), t)   # noqa: E731
         bal_w = jnp.float32(balance_ct)
-        bal_ct = bal_w * scale
-
-        def out_zeros():
-            z = jnp.zeros(y_shape.shape, y_shape.dtype)
-            return vary({"send_f": z, "send_b": z, "dy": z, "dstack": zeros_like(stack),
-                         "dother": zeros_like(other), "loss": jnp.float32(0),
-                         "aux": jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux_shape),
-                         "post": jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), post_shape[1])})
-
-        def idle(m, x_f, x_b, dy):
-            return out_zeros()
-
-        def fwd(m, x_f, x_b, dy):
-            o = out_zeros()
-            (y, bal), aux = stage_w(stack, x_f, m)
-            o.update(send_f=y, aux=aux, loss=bal * bal_w)
-            return vary(o)
-
-        def fwd_last(m, x_f, x_b, dy):
-            o = out_zeros()
-            (y, bal), aux = stage_w(stack, x_f, m)
-            loss, back, stats = jax.vjp(lambda ot, yy: post(ot, yy, m), other, y, has_aux=True)
-            d_other, d_y = back(vary(scale))
-            o.update(dy=d_y, dother=d_other, aux=aux, post=stats, loss=loss + bal * bal_w)
-            return vary(o)
-
-        def bwd(m, x_f, x_b, dy):
-            o = out_zeros()
-            _, back, _ = jax.vjp(lambda st, xx: stage_w(st, xx, m), stack, x_b, has_aux=True)
-            d_stack, d_x = back((dy, vary(bal_ct)))
-            o.update(send_b=d_x, dstack=d_stack)
-            return vary(o)
-
-        acc0 = out_zeros()
-        carry0 = {"act": vary(jnp.zeros((k_act, *y_shape.shape), y_shape.dtype)),
-                  "inp": vary(jnp.zeros((k_in, *y_shape.shape), y_shape.dtype)),
-                  "grad": vary(jnp.zeros((k_grad, *y_shape.shape), y_shape.dtype)),
-                  "dx": vary(jnp.zeros_like(xm)),
-                  "acc": {k: acc0[k] for k in ("dstack", "dother", "loss", "aux", "post")}}
 
         def tick(c, t):
-            op, m, rf, rb = row(op_t, t), row(mb_t, t), row(rf_t, t), row(rb_t, t)
-            x_f = jnp.where(s == 0, xm[m], c["act"][m % k_act])
-            x_b, dy = c["inp"][m % k_in], c["grad"][m % k_grad]
-            branch = jnp.where((op == 1) & last, 3, op)
-            o = lax.switch(branch, [idle, fwd, bwd, fwd_last], m, x_f, x_b, dy)
-            is_f, is_b = op == 1, op == 2
-            c = dict(c)
-            c["inp"] = c["inp"].at[m % k_in].set(jnp.where(is_f, x_f, x_b))
-            c["grad"] = c["grad"].at[m % k_grad].set(jnp.where(is_f & last, o["dy"], dy))
-            c["dx"] = c["dx"].at[m].add(jnp.where(is_b & (s == 0), o["send_b"], jnp.zeros_like(o["send_b"])))
-            c["acc"] = jax.tree.map(jnp.add, c["acc"], {k: o[k] for k in c["acc"]})
-            recv_f = lax.ppermute(o["send_f"], AXIS, [(i, i + 1) for i in range(Ps - 1)])
-            recv_b = lax.ppermute(o["send_b"], AXIS, [(i + 1, i) for i in range(Ps - 1)])
-            fa = jnp.maximum(rf, 0) % k_act
-            c["act"] = c["act"].at[fa].set(jnp.where(rf >= 0, recv_f, c["act"][fa]))
-            ga = jnp.maximum(rb, 0) % k_grad
-            c["grad"] = c["grad"].at[ga].set(jnp.where(rb >= 0, recv_b, c["grad"][ga]))
-            return c, None
+            f, b, e = t - s, t - (2 * Ps - 2 - s), t - (Ps - 1)      # e: the last stage's forward
+            on_f, on_b, on_e = (f >= 0) & (f < M), (b >= 0) & (b < M), (e >= 0) & (e < M)
+            f, b, e = (jnp.clip(i, 0, M - 1) for i in (f, b, e))
+            # forward of microbatch f; its input kept until its backward
+            x_f = jnp.where(s == 0, xm[f], c["recv_f"])
+            inp = c["inp"].at[f % ring].set(x_f)
+            (y, bal), aux = stage_w(stack, x_f, f)
+            # the epilogue of the last stage's output, 1/P of its rows on each stage
+            y_piece = lax.psum_scatter(jnp.where(last, y, jnp.zeros_like(y)), AXIS, scatter_dimension=0, tiled=True)
+            loss, back, stats = jax.vjp(lambda ot, yy: post(ot, yy, e), other, y_piece, has_aux=True)
+            d_other, d_piece = back(vary(jnp.where(on_e, scale, jnp.zeros_like(scale))))
+            dy_last = lax.all_gather(d_piece, AXIS, axis=0, tiled=True)
+            # backward of microbatch b, recomputed from its kept input
+            dy = jnp.where(last, dy_last, c["recv_b"])
+            _, back_s, _ = jax.vjp(lambda st, xx: stage_w(st, xx, b), stack, inp[b % ring], has_aux=True)
+            d_stack, d_x = back_s(vary((jnp.where(on_b, dy, jnp.zeros_like(dy)), jnp.where(on_b, bal_w * scale, 0.0))))
+            acc = c["acc"]
+            acc = {"loss": acc["loss"] + jnp.where(on_e, loss, 0.0) + jnp.where(on_f, bal * bal_w, 0.0),
+                   "post": jax.tree.map(jnp.add, acc["post"], masked(on_e, stats)),
+                   "aux": jax.tree.map(jnp.add, acc["aux"], masked(on_f, aux)),
+                   "dother": jax.tree.map(jnp.add, acc["dother"], masked(on_e, d_other)),
+                   "dstack": jax.tree.map(jnp.add, acc["dstack"], masked(on_b, d_stack))}
+            dx = c["dx"].at[b].add(jnp.where(on_b & (s == 0), d_x, jnp.zeros_like(d_x)))
+            recv_f = lax.ppermute(y, AXIS, [(i, i + 1) for i in range(Ps - 1)])
+            recv_b = lax.ppermute(d_x, AXIS, [(i + 1, i) for i in range(Ps - 1)])
+            return {"recv_f": recv_f, "recv_b": recv_b, "inp": inp, "dx": dx, "acc": acc}, None
 
-        c, _ = lax.scan(tick, carry0, jnp.arange(op_t.shape[0]))
+        zeros = lambda shapes: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)   # noqa: E731
+        y_like = jnp.zeros_like(xm[0])
+        aux_shape = jax.eval_shape(lambda: stage_w(stack, xm[0], 0)[1])
+        post_shape = jax.eval_shape(lambda: post(other, y_like[:piece_rows], 0)[1])
+        carry0 = vary({"recv_f": y_like, "recv_b": y_like, "inp": jnp.zeros((ring, *xm.shape[1:]), xm.dtype),
+                       "dx": jnp.zeros_like(xm),
+                       "acc": {"loss": jnp.float32(0), "post": zeros(post_shape), "aux": zeros(aux_shape),
+                               "dother": jax.tree.map(jnp.zeros_like, other),
+                               "dstack": jax.tree.map(jnp.zeros_like, stack)}})
+        c, _ = lax.scan(tick, carry0, jnp.arange(ticks))
         acc = c["acc"]
         both = ONEFONEB_MANUAL
         return (lax.psum(acc["loss"], both), lax.psum(acc["post"], both), lax.psum(acc["aux"], "data"),
                 lax.psum(acc["dstack"], "data"), lax.psum(acc["dother"], both), lax.psum(c["dx"], AXIS))
 
-    rows = P(None, "data")
-    run = jax.shard_map(per_device, in_specs=(P(AXIS), P(AXIS), P(), P(), P(AXIS), rows, rows, P()),
-                        out_specs=(P(), P(), P(AXIS), P(AXIS), P(), rows), axis_names=set(ONEFONEB_MANUAL))
-    with nnx.logical_axis_rules(()):          # no activation constraints on manual axes inside
-        loss, post_stats, aux, d_stack, d_other_post, dxm = run(
-            stack_v, rest_stack, other_v, rest_other, valid, _split(x, M), batch_m, scale)
+    row_spec = P(None, "data")
+    run = jax.shard_map(per_device, in_specs=(P(AXIS), P(AXIS), P(), P(), P(AXIS), row_spec, row_spec, P()),
+                        out_specs=(P(), P(), P(AXIS), P(AXIS), P(), row_spec), axis_names=set(ONEFONEB_MANUAL))
+    loss, post_stats, aux, d_stack, d_other_post, dxm = run(
+        stack_v, rest_stack, other_v, rest_other, valid, _split(x, M), batch_m, scale)
     (d_other_pro,) = pro_vjp(_unsplit(dxm))
     grads = {**d_stack, **jax.tree.map(jnp.add, d_other_post, d_other_pro)}
     return (loss * scale, {**post_stats, **_stage_aux(aux, layout)}), _state_of(params, grads)

@@ -390,8 +390,8 @@ def train(cfg: Config, run_dir: str | Path) -> dict[str, float]:
         r = layout.repeats
         log_line(f"pipeline: {layout.stages} stages x {r} repeats, schedule {cfg.pipeline.schedule.value}, "
                  f"{t.microbatches} microbatches; {layout.layers} MoE layers in {layout.slots} slots "
-                 f"({layout.chunk} per virtual stage); bubble (P-1)/(M*R+P-1) = "
-                 f"{pipeline.bubble(layout.stages, t.microbatches, r):.3f}")
+                 f"({layout.chunk} per virtual stage); bubble "
+                 f"{pipeline.bubble(layout.stages, t.microbatches, r, cfg.pipeline.schedule):.3f}")
     if t.remat.value == "offload" and devices[0].platform == "cpu":
         log_line("note: remat=offload on CPU: device memory is host memory, so offloading saves nothing here")
     tx = optim.make(cfg.optim, t.steps)
