@@ -867,26 +867,22 @@ def check_dcn(mesh: dict[str, int], dcn: dict[str, int] | None, nodes: int) -> d
 def refusal(cfg: Config, mesh: dict[str, int]) -> tuple[str | None, str | None]:
     """(error, refusal): `error` when the mesh breaks one of config.validate's rules other than
     the ones r1jax may lift later; `refusal` when only those apply (expert parallelism inside
-    pipeline stages; 1F1B with fsdp/tensor/expert), so the planner still computes the layout."""
+    pipeline stages), so the planner still computes the layout."""
     trial = dataclasses.replace(cfg, mesh=_mesh_config(mesh))
     try:
         configlib.validate(trial)
         return None, None
     except ConfigError as e:
         first = str(e)
-    if mesh["pipeline"] > 1 and (mesh["expert"] > 1 or mesh["fsdp"] > 1 or mesh["tensor"] > 1):
-        # same batch shards, the pipeline-only rules lifted: is the EP+PP / 1F1B rule all that fails?
+    if mesh["pipeline"] > 1 and mesh["expert"] > 1:
+        # the same batch shards with the EP-inside-stages rule lifted: is it all that fails?
         lifted = dataclasses.replace(trial, mesh=_mesh_config({**mesh, "pipeline": 1}))
-        pp_only = dataclasses.replace(trial, mesh=_mesh_config(
-            {**mesh, "expert": 1, "fsdp": 1, "tensor": 1, "data": mesh["data"] * mesh["expert"] * mesh["fsdp"]}))
+        pp_only = dataclasses.replace(trial, mesh=_mesh_config({**mesh, "expert": 1, "data": mesh["data"] * mesh["expert"]}))
         try:
             configlib.validate(lifted)
             configlib.validate(pp_only)
         except ConfigError:
             return first, None
-        if (cfg.pipeline.schedule is Schedule.onefoneb and "1f1b" not in first
-                and any(mesh[a] > 1 for a in ("fsdp", "tensor", "expert"))):
-            first += "; and pipeline.schedule=1f1b runs with mesh.data x mesh.pipeline only"
         return None, first
     return first, None
 
