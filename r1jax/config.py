@@ -844,8 +844,6 @@ def validate(cfg: Config) -> None:
     if mesh.pipeline != 1:
         _need(m.num_moe_layers > 0, f"mesh.pipeline={mesh.pipeline}: the pipeline splits the MoE layers into "
                                     f"stages, and this model has none (num_hidden_layers = first_k_dense_replace)")
-        _need(mesh.expert == 1, f"mesh.expert={mesh.expert}: expert parallelism inside pipeline stages is not "
-                                f"supported yet; use mesh.expert=1 with mesh.pipeline={mesh.pipeline}")
     if mesh.pipeline > 1:
         if pp.schedule is Schedule.onefoneb:
             # 1F1B shares the last stage's epilogue out over the stages by rows of a data shard

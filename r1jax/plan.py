@@ -866,24 +866,14 @@ def check_dcn(mesh: dict[str, int], dcn: dict[str, int] | None, nodes: int) -> d
 
 def refusal(cfg: Config, mesh: dict[str, int]) -> tuple[str | None, str | None]:
     """(error, refusal): `error` when the mesh breaks one of config.validate's rules other than
-    the ones r1jax may lift later; `refusal` when only those apply (expert parallelism inside
-    pipeline stages), so the planner still computes the layout."""
+    the ones r1jax may lift later; `refusal` when only those apply, so the planner still computes
+    the layout. (None is left: expert parallelism inside pipeline stages, the last, runs now.)"""
     trial = dataclasses.replace(cfg, mesh=_mesh_config(mesh))
     try:
         configlib.validate(trial)
         return None, None
     except ConfigError as e:
         first = str(e)
-    if mesh["pipeline"] > 1 and mesh["expert"] > 1:
-        # the same batch shards with the EP-inside-stages rule lifted: is it all that fails?
-        lifted = dataclasses.replace(trial, mesh=_mesh_config({**mesh, "pipeline": 1}))
-        pp_only = dataclasses.replace(trial, mesh=_mesh_config({**mesh, "expert": 1, "data": mesh["data"] * mesh["expert"]}))
-        try:
-            configlib.validate(lifted)
-            configlib.validate(pp_only)
-        except ConfigError:
-            return first, None
-        return None, first
     return first, None
 
 
@@ -1261,8 +1251,7 @@ def load_for_mesh(path: str, overrides: list[str], mesh: dict[str, int], dcn: di
                   ) -> Config:
     """The config with its mesh replaced by `mesh` (axes not in it are 1) and its dcn sizes by
     `dcn` before it is validated. A mesh that config.validate refuses only for a rule r1jax may
-    lift (expert parallelism inside pipeline stages, 1F1B with sharded stages) is kept, so that
-    it can be planned; any other refusal is raised."""
+    lift (`refusal`; none today) is kept, so that it can be planned; any other refusal is raised."""
     dcn = dcn or {}
     try:
         return configlib.load(path, [*overrides, *_mesh_overrides(mesh, dcn)])

@@ -83,6 +83,12 @@ MESHES = {
                                             "kernels.attention_block=16", *MASKED],
     "pipeline2_fsdp2_data2_1f1b": ["mesh.data=2", "mesh.fsdp=2", "mesh.pipeline=2", "train.microbatches=2",
                                    "pipeline.schedule=1f1b"],
+    # expert parallelism inside the stages: the token exchange's shard_map nested in the pipeline's
+    "pipeline2_expert2_data2_gpipe": ["mesh.data=2", "mesh.expert=2", "mesh.pipeline=2", "train.microbatches=2"],
+    "pipeline2_expert2_data2_circular": ["mesh.data=2", "mesh.expert=2", "mesh.pipeline=2", "train.microbatches=2",
+                                         "pipeline.schedule=circular", "pipeline.repeats=2"],
+    "pipeline2_expert2_data2_1f1b": ["mesh.data=2", "mesh.expert=2", "mesh.pipeline=2", "train.microbatches=2",
+                                     "pipeline.schedule=1f1b"],
     "pipeline2_tensor2_data2_circular_masked": ["mesh.data=2", "mesh.tensor=2", "mesh.pipeline=2",
                                                 "train.microbatches=2", "pipeline.schedule=circular",
                                                 "pipeline.repeats=2", "kernels.attention=flash",

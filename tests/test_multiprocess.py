@@ -148,6 +148,9 @@ def test_two_processes_train_like_one(two, one):
     # (one microbatch: 1F1B shares the epilogue over the stages by a data shard's rows, 2 here)
     ("pipeline across, 1f1b, data 4 inside", ["mesh.data=4", "mesh.pipeline=2", "mesh.dcn_pipeline=2",
                                               "train.microbatches=1", "pipeline.schedule=1f1b"], "pipeline 2"),
+    # the issue's case: expert parallelism inside stages that span the processes
+    ("pipeline across, gpipe, expert 2 x data 2 inside", ["mesh.data=2", "mesh.expert=2", "mesh.pipeline=2",
+                                                         "mesh.dcn_pipeline=2", "train.microbatches=2"], "pipeline 2"),
     ("pipeline across, gpipe, tensor 2 x data 2 inside (the seeds' layout)",
      ["mesh.data=2", "mesh.tensor=2", "mesh.pipeline=2", "mesh.dcn_pipeline=2", "train.microbatches=2"], "pipeline 2"),
 ])

@@ -73,7 +73,6 @@ def test_bubble():
     (["mesh.data=4", "mesh.pipeline=2", "pipeline.schedule=circular", "pipeline.repeats=2"],
      "train.microbatches=1: the circular schedule needs at least mesh.pipeline=2"),
     (["mesh.data=4", "mesh.pipeline=2", "pipeline.repeats=2"], "pipeline.repeats=2: only the circular schedule"),
-    (["mesh.data=2", "mesh.pipeline=2", "mesh.expert=2"], "mesh.expert=2: expert parallelism inside pipeline"),
     (["mesh.data=4", "mesh.pipeline=2", "train.microbatches=3"], "train.microbatches=3"),
     (["mesh.data=4", "mesh.pipeline=2", "model.num_hidden_layers=1"], "mesh.pipeline=2: the pipeline splits"),
 ])

@@ -53,6 +53,9 @@ from r1jax import logical
 from r1jax.config import Config, Schedule
 from r1jax.model import rope
 from r1jax.model.transformer import Output, scan_blocks
+from r1jax.parallel import jax_fixes
+
+jax_fixes.apply()          # expert parallelism inside the stages nests shard_maps (jax_fixes says why)
 
 AXIS = "pipeline"
 STACK = "moe_layers"            # the state's top-level key of the pipelined stack
