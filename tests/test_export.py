@@ -19,7 +19,13 @@ from r1jax import weights
 from r1jax.convert import hf
 
 ROOT = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "JAX_NUM_CPU_DEVICES": "1", "JAX_PLATFORMS": "cpu"}
+
+
+def _env() -> dict:
+    """The environment of the processes these tests start, read when each starts: it carries
+    tests/conftest.py's -O0 settings for this file (set once the module's tests begin)."""
+    return {**os.environ, "JAX_NUM_CPU_DEVICES": "1", "JAX_PLATFORMS": "cpu"}
+
 PROMPTS = [[5, 9, 17, 3], [7], list(range(1, 17))]       # 3 prompts over B=2 rows: a padding row too
 NEW = 8
 SHAPES = ["--batch-size", "2", "--max-len", "64", "--prompt-len", "16", "--decode-steps", "4"]
@@ -38,12 +44,12 @@ print(json.dumps({"out": out, "mods": mods, "jax": "jax" in sys.modules}))
 
 def _export(*args):
     return subprocess.run([sys.executable, "-m", "r1jax.export", *args], capture_output=True, text=True,
-                          timeout=600, env=ENV, cwd=ROOT)
+                          timeout=600, env=_env(), cwd=ROOT)
 
 
 def _reload(d: Path):
     p = subprocess.run([sys.executable, "-I", "-c", RUN, str(d), json.dumps(PROMPTS), str(NEW)], capture_output=True,
-                       text=True, timeout=600, env=ENV, cwd=d.parent)
+                       text=True, timeout=600, env=_env(), cwd=d.parent)
     assert p.returncode == 0, p.stderr
     return json.loads(p.stdout.strip().splitlines()[-1])
 

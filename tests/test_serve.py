@@ -25,7 +25,12 @@ from r1jax.launch import free_port
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "test-key"
 NAME = "tiny"
-ENV = {**os.environ, "JAX_NUM_CPU_DEVICES": "1", "JAX_PLATFORMS": "cpu"}
+
+
+def _env() -> dict:
+    """The environment of the processes these tests start, read when each starts: it carries
+    tests/conftest.py's -O0 settings for this file (set once the module's tests begin)."""
+    return {**os.environ, "JAX_NUM_CPU_DEVICES": "1", "JAX_PLATFORMS": "cpu"}
 
 
 def _model_dir(d: Path) -> Path:
@@ -43,7 +48,7 @@ class Running:
         self.log = open(model.parent / f"serve-{self.port}.log", "w+")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "r1jax.serve", "--model", f"hf:{model}", "--port", str(self.port),
-             "--served-model-name", NAME, *args], stdout=self.log, stderr=subprocess.STDOUT, env=ENV, cwd=ROOT)
+             "--served-model-name", NAME, *args], stdout=self.log, stderr=subprocess.STDOUT, env=_env(), cwd=ROOT)
         deadline = time.time() + 600
         while time.time() < deadline:
             assert self.proc.poll() is None, self.tail()
@@ -126,7 +131,7 @@ def test_openai_client_completions_and_chat_match_generate(server, client, model
     (tmp_path / "in.jsonl").write_text(json.dumps({"prompt": prompt}) + "\n")
     p = subprocess.run([sys.executable, "-m", "r1jax.generate", "--model", f"hf:{model}", "--input",
                         str(tmp_path / "in.jsonl"), "--output", str(out), "--max-new-tokens", "8", "--ignore-eos"],
-                       capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=600)
+                       capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=600)
     assert p.returncode == 0, p.stderr
     assert choice.text == json.loads(out.read_text())["completion"]
     assert whole.usage.prompt_tokens == json.loads(out.read_text())["prompt_tokens"]
@@ -318,7 +323,7 @@ def test_bad_command_lines_exit_2_with_one_line(tmp_path):
     for args, words in [(["--model", str(tmp_path / "none")], "not a run directory"),
                         (["--model", "hf:/nonexistent"], "not an HF model directory"),
                         (["--model", "hf:/nonexistent", "--port", "0"], "--port 0")]:
-        p = subprocess.run([sys.executable, "-m", "r1jax.serve", *args], capture_output=True, text=True, env=ENV,
+        p = subprocess.run([sys.executable, "-m", "r1jax.serve", *args], capture_output=True, text=True, env=_env(),
                            cwd=ROOT, timeout=120)
         assert p.returncode == 2 and words in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
 
