@@ -306,6 +306,7 @@ class GRPOConfig:
     dynamic_sampling: bool = False     # drop groups whose rewards are all equal (their advantage is 0)
     overlong_buffer: int = 0           # DAPO's soft overlong penalty over the last N tokens (0: off)
     overlong_penalty: float = 1.0      # ... reaching -overlong_penalty at max_new_tokens
+    routing_replay: bool = False       # Rollout Routing Replay: the update uses the rollout's expert choices
 
 
 @dataclasses.dataclass(frozen=True)
@@ -798,6 +799,9 @@ def validate(cfg: Config) -> None:
                                                          f"[0, grpo.max_new_tokens={g.max_new_tokens})")
         _need(g.eval_prompts >= 0, f"grpo.eval_prompts={g.eval_prompts}: must be >= 0")
         _need(mesh.pipeline == 1, "loss.objective=grpo: rollouts run the model as one stage; use mesh.pipeline=1")
+        _need(not g.routing_replay or m.num_moe_layers > 0,
+              f"grpo.routing_replay=true: the model has no MoE layer (model.first_k_dense_replace="
+              f"{m.first_k_dense_replace} of {m.num_hidden_layers} layers); set it false")
     if d.tokenizer is None:
         _need(m.vocab_size >= 260, f"model.vocab_size={m.vocab_size}: a trained byte-level BPE needs "
                                    f">= 260 (256 bytes + special tokens)")

@@ -49,6 +49,8 @@ BAD = {
     "bias rate in the model section": (["model.bias_update_rate=0"],
                                        "model.bias_update_rate: moved to optim.bias_update_rate"),
     "unknown objective": (["loss.objective=dpo"], "loss.objective"),
+    "routing replay without MoE": (["loss.objective=grpo", "grpo.task=reverse", "grpo.routing_replay=true",
+                                    "model.first_k_dense_replace=3"], "grpo.routing_replay=true: the model has no MoE"),
 }
 
 

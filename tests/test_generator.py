@@ -185,3 +185,35 @@ def test_slots_take_requests_anywhere_and_attend_only_as_far_as_needed(tiny, gen
             got[s] += [int(t) for t in em.tokens[s, :em.count[s]]]
     assert [got[3], got[1], got[0]] == want
     assert done.all()                                   # slot 2 was never filled: done from the start
+
+
+def test_recorded_routing_is_the_models_and_replaying_it_forces_the_experts(tiny, gen):
+    """Request.routing: the expert ids of every fed position (prompt, then each completion token
+    but the last) equal the training forward's own choices on the same tokens, and recording
+    changes no token or log-prob. The model's `routing` replays given ids (aux idx equals them,
+    -1 keeps the router's choice) and leaves the output unchanged when they are its own."""
+    m, model, _ = tiny
+    prompts = _prompts(m, (7, 3))
+    reqs = [Request(p, max_new_tokens=6, temperature=1.0, seed=4, logprobs=0) for p in prompts]
+    plain = gen.generate(reqs)
+    recorded = gen.generate([dataclasses.replace(r, routing=True) for r in reqs])
+    fwd = jax.jit(lambda x, r: model(x, routing=r))
+    L, k = m.num_moe_layers, m.num_experts_per_tok
+    for p, a, b in zip(prompts, plain, recorded):
+        assert a.completion_ids == b.completion_ids and a.logprobs == b.logprobs and a.routing is None
+        ids = jnp.asarray([list(p) + b.completion_ids], jnp.int32)
+        n = ids.shape[1]
+        assert b.routing.shape == (n - 1, L, k) and b.routing.dtype == np.int32
+        own = fwd(ids, None)
+        idx = np.asarray(own.aux["idx"]).reshape(L, n, k).transpose(1, 0, 2)        # [n, L, k]
+        assert np.array_equal(np.sort(b.routing, -1), np.sort(idx[:n - 1], -1))
+        replay = np.full((1, n, L, k), -1, np.int32)
+        replay[0, :n - 1] = b.routing
+        same = fwd(ids, jnp.asarray(replay))
+        np.testing.assert_allclose(np.asarray(same.logits), np.asarray(own.logits), rtol=0, atol=1e-6)
+        forced = replay.copy()
+        forced[0, :n - 1] = (b.routing + 1) % m.n_routed_experts       # other experts, still k distinct
+        other = fwd(ids, jnp.asarray(forced))
+        got = np.asarray(other.aux["idx"]).reshape(L, n, k).transpose(1, 0, 2)
+        assert np.array_equal(got[:n - 1], forced[0, :n - 1]) and np.array_equal(got[n - 1], idx[n - 1])
+        assert np.abs(np.asarray(other.logits) - np.asarray(own.logits)).max() > 1e-3

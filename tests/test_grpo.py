@@ -3,7 +3,8 @@ hand; the loss against TRL's GRPOTrainer formulas (per-token clipped surrogate, 
 grpo / bnpo / dr_grpo aggregations, which are r1jax's sequence / token / constant) on rows of
 prompts and completions of unequal lengths; a single-token bandit learned through the real
 rollouts (the generator on the current weights) within 50 steps; and whole runs: an eval record
-before the first update, the metrics the issue names, and 8 fake devices equal to 1."""
+before the first update, the metrics the issue names, and 8 fake devices equal to 1; Rollout
+Routing Replay's effect on the first update's ratio drift."""
 from __future__ import annotations
 
 import dataclasses
@@ -173,6 +174,43 @@ def test_grpo_runs_on_8_devices_as_on_1(tmp_path):
     pb = ckpt.ParamsReader(tmp_path / "eight" / "checkpoints")
     for k in pa.shapes:
         np.testing.assert_allclose(pb.read(k), pa.read(k), atol=1e-5, err_msg="/".join(k))
+
+
+@pytest.mark.slow
+def test_rollout_routing_replay_cuts_the_first_updates_ratio_drift(tmp_path, monkeypatch):
+    """grpo.routing_replay: the rows carry the rollout's expert ids and the update routes by them.
+    With bf16 rollouts (infer.dtype=bf16) and an fp32 update, the routers of the two disagree on
+    some tokens; replaying the rollout's choices removes that part of the policy ratio's drift from
+    1 (the update's first ratio is 1 up to numerics). Measured on this model (2-core CPU, 1 device):
+    first-update ratio_drift 1.19e-3 without, 6.9e-4 with replay; the rollouts are the same."""
+    from r1jax.train import loop
+    seen = []
+    run = loop.run
+
+    def spy(step, state, batches, **kw):
+        def peek(b):
+            seen.append({k: np.asarray(v) for k, v in b.items() if k in ("routing", "ids", "loss_mask")})
+            return kw["place"](b)
+        return run(step, state, batches, **{**kw, "place": peek})
+
+    monkeypatch.setattr(loop, "run", spy)          # the real loop, its batches kept for the checks
+    first = {}
+    for on in (False, True):
+        cfg = configlib.load(TINY, [*RUN, "train.steps=1", "grpo.eval_prompts=0", "infer.dtype=bf16",
+                                    f"grpo.routing_replay={str(on).lower()}"])
+        grpo.train(cfg, tmp_path / str(on), jax.devices()[:1])
+        first[on] = [r for r in _records(tmp_path / str(on)) if "split" not in r][0]
+    assert "routing" not in seen[0]
+    b = seen[1]
+    m = cfg.model
+    assert b["routing"].shape == (*b["ids"].shape, m.num_moe_layers, m.num_experts_per_tok)
+    fed = b["loss_mask"].astype(bool)                       # completion tokens (each row's last one
+    fed[np.arange(len(fed)), fed.shape[1] - 1 - np.argmax(fed[:, ::-1], 1)] = False      # is never fed)
+    r = b["routing"]
+    assert (r[fed] >= 0).all() and (np.sort(r[fed], -1)[..., 1:] != np.sort(r[fed], -1)[..., :-1]).all()
+    assert first[True]["reward_mean"] == first[False]["reward_mean"]
+    print("first-update ratio_drift off/on:", first[False]["ratio_drift"], first[True]["ratio_drift"])
+    assert first[True]["ratio_drift"] < 0.8 * first[False]["ratio_drift"]
 
 
 @pytest.mark.slow

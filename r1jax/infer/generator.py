@@ -64,6 +64,7 @@ class Request:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None      # None: none; N: the chosen token's and the top N alternatives'
+    routing: bool = False            # record the MoE layers' expert ids per position (Completion.routing)
 
 
 @dataclasses.dataclass
@@ -75,6 +76,9 @@ class Completion:
     completion_tokens: int
     logprobs: list[float] | None = None
     top_logprobs: list[dict[int, float]] | None = None
+    # with Request.routing: [positions, moe layers, k] int32, the expert ids each position's token
+    # was routed to, for the prompt and every completion token but the last (never fed back)
+    routing: np.ndarray | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -179,20 +183,21 @@ class Generator:
             self._steps[key] = meshlib.MeshedJit(fn, self.mesh)
         return self._steps[key]
 
-    def _prefill_step(self, speculative: bool, top: int | None):
-        return self._jit(("prefill", speculative, top), lambda: self._prefill_fn(speculative, top), (5, 6))
+    def _prefill_step(self, speculative: bool, top: int | None, routes: bool = False):
+        return self._jit(("prefill", speculative, top, routes), lambda: self._prefill_fn(speculative, top, routes),
+                         (5, 6))
 
     def _decode_step(self, rows_bucket: int, steps: int, speculative: bool, top: int | None,
-                     attend: int | None = None):
-        return self._jit(("decode", rows_bucket, steps, speculative, top, attend),
-                         lambda: self._decode_fn(rows_bucket, steps, speculative, top, attend), (1, 2))
+                     attend: int | None = None, routes: bool = False):
+        return self._jit(("decode", rows_bucket, steps, speculative, top, attend, routes),
+                         lambda: self._decode_fn(rows_bucket, steps, speculative, top, attend, routes), (1, 2))
 
     def _model(self, kernels: KernelConfig, params):
         """The model over (rest, per-layer states) `params`; its stacks' own leaves stay abstract."""
         rest, layers = quant.for_step(params, kernels)     # QArrays dequantise where read
         return nnx.merge(self._graphdef(kernels), rest, self._abstract_stacks), layers
 
-    def _prefill_fn(self, speculative: bool, top: int | None):
+    def _prefill_fn(self, speculative: bool, top: int | None, routes: bool = False):
         def prefill(params, ids, lengths, new: Rows, at, rows: Rows, kv: KV):
             """The prompts `ids` [P, T] into slots `at` [P] (past the slots: a padding row, whose
             writes are dropped) of the cache and of the slot state `rows` [n]."""
@@ -225,12 +230,13 @@ class Generator:
                 new = dataclasses.replace(new, draft=argmax(d.logits[:, 0]), h_prev=h_prev.astype(new.h_prev.dtype))
                 kv = d.kv
             rows = jax.tree.map(lambda a, x: a.at[at].set(x, mode="drop"), rows, new)
-            return rows, dataclasses.replace(kv, slots=None, absorbed=True), (tok, lp)
+            route = _routes(out.aux, B) if routes else None                   # [B, T, L, k]
+            return rows, dataclasses.replace(kv, slots=None, absorbed=True), (tok, lp, route)
 
         return prefill
 
     def _decode_fn(self, rows_bucket: int, steps: int, speculative: bool, top: int | None,
-                   attend: int | None = None):
+                   attend: int | None = None, routes: bool = False):
         per_iter = 2 if speculative else 1
         kernels = decode_kernels(self.kernels, self.infer, self.m, rows_bucket * per_iter // self.batch_shards,
                                  self.split_experts)
@@ -243,14 +249,15 @@ class Generator:
             rows = jax.tree.map(lambda a: a[:rows_bucket], slots)
             B = rows_bucket
             S = kv_len(kv)
-            out = Emitted.empty(B, steps * per_iter, top or 0)
+            out = Emitted.empty(B, steps * per_iter, top or 0, self._route_shape if routes else (0, 0))
 
             def plain(i, rows, kv, out):
                 o = model(rows.tok[:, None], rows.pos[:, None], kv=kv, layers=layers)
                 logits = o.logits[:, 0]
                 tok = sample(logits, rows.sampling, rows.n)
                 live = ~rows.done
-                out = out.put(live, tok, logprobs(logits, tok, top))
+                # the fed token's expert ids (position pos) go with the token it produced
+                out = out.put(live, tok, logprobs(logits, tok, top), _routes(o.aux, B)[:, 0] if routes else None)
                 return _advance(rows, live, tok, S), o.kv, out
 
             def spec(i, rows, kv, out):
@@ -316,10 +323,12 @@ class Generator:
         """Keep `slots`' cache for the next `new_slots` of its shape (no new allocation)."""
         self._caches[(slots.size, slots.max_len, slots.speculative)] = slots.kv
 
-    def insert(self, slots: "Slots", reqs: list[Request], at: list[int], top: int | None = None):
+    def insert(self, slots: "Slots", reqs: list[Request], at: list[int], top: int | None = None,
+               routes: bool = False):
         """Prefill `reqs` into the free slots `at` (one pass over the right-padded prompts):
-        (slots, per request (first token, its logprob, top ids, top logprobs)) on the host.
-        `top`: how many alternatives' logprobs the step computes (None: none)."""
+        (slots, per request (first token, its logprob, top ids, top logprobs, the prompt's expert
+        ids [len, L, k] or None)) on the host. `top`: how many alternatives' logprobs the step
+        computes (None: none); `routes`: record the expert ids (`Request.routing`)."""
         for r in reqs:
             if not r.prompt_ids:
                 raise ValueError("a prompt needs at least one token")
@@ -335,14 +344,28 @@ class Generator:
             lengths[i] = len(r.prompt_ids)
         where = np.full((P,), slots.size, np.int32)                   # padding rows: dropped
         where[:len(reqs)] = at
-        step = self._prefill_step(slots.speculative, top)
-        rows, kv, (tok, lp) = step(self.params, self._put(ids), self._put(lengths), self._rows(reqs, P),
-                                   self._put(where), slots.rows, slots.kv)
-        tok, (chosen, top_ids, top_lp) = jax.device_get((tok, lp))
+        self._check_routes(routes, slots.speculative)
+        step = self._prefill_step(slots.speculative, top, routes)
+        rows, kv, (tok, lp, route) = step(self.params, self._put(ids), self._put(lengths), self._rows(reqs, P),
+                                          self._put(where), slots.rows, slots.kv)
+        tok, (chosen, top_ids, top_lp), route = jax.device_get((tok, lp, route))
         n = len(reqs)
-        return Slots(rows, kv, slots.speculative), list(zip(tok[:n], chosen[:n], top_ids[:n], top_lp[:n]))
+        prompt_routes = [None if route is None else np.asarray(route[i, :lengths[i]]) for i in range(n)]
+        return Slots(rows, kv, slots.speculative), list(zip(tok[:n], chosen[:n], top_ids[:n], top_lp[:n],
+                                                            prompt_routes))
 
-    def step(self, slots: "Slots", rows: int, steps: int, top: int | None = None, attend: int | None = None):
+    @property
+    def _route_shape(self) -> tuple[int, int]:
+        return (self.m.num_moe_layers, self.m.num_experts_per_tok)
+
+    def _check_routes(self, routes: bool, speculative: bool) -> None:
+        if routes and self.m.num_moe_layers == 0:
+            raise ValueError("routing: the model has no MoE layer to record expert ids of")
+        if routes and speculative:
+            raise ValueError("routing is recorded without speculative decoding only")
+
+    def step(self, slots: "Slots", rows: int, steps: int, top: int | None = None, attend: int | None = None,
+             routes: bool = False):
         """Decode the first `rows` slots (a multiple of the batch shards) for up to `steps` steps,
         stopping early once all of them are done: (slots, and on the host the Emitted tokens,
         each of those slots' done and stopped-by-a-stop-token flags). `attend`: attention reads
@@ -350,7 +373,8 @@ class Generator:
         position stays below it through the steps (`attend_bucket`)."""
         if attend is not None and attend >= slots.max_len:
             attend = None
-        decode = self._decode_step(rows, steps, slots.speculative, top, attend)
+        self._check_routes(routes, slots.speculative)
+        decode = self._decode_step(rows, steps, slots.speculative, top, attend, routes)
         r, kv, out = decode(self.params, slots.rows, slots.kv)
         em, done, stopped = jax.device_get((out, r.done[:rows], r.stopped[:rows]))
         self.stats["drafted"] += int(em.drafted)
@@ -401,11 +425,13 @@ class Generator:
                              f"infer.max_len={S}")
         want_lp = any(r.logprobs is not None for r in reqs)
         top = max(r.logprobs or 0 for r in reqs) if want_lp else None
+        routes = any(r.routing for r in reqs)
         streams = [Stream(r, self.tokenizer, None if on_text is None else (lambda d, i=i: on_text(i, d)), want_lp)
                    for i, r in enumerate(reqs)]
-        slots, first = self.insert(self.new_slots(Bb, S, speculative), reqs, list(range(n)), top)
+        slots, first = self.insert(self.new_slots(Bb, S, speculative), reqs, list(range(n)), top, routes)
         self.stats["first_token_s"] = time.perf_counter() - t0
         for st, f in zip(streams, first):
+            st.prompt_routes = f[4]
             st.push([f[0]], [f[1]], [f[2]], [f[3]])
         done, stopped = (np.array(a)[:n] for a in jax.device_get((slots.rows.done, slots.rows.stopped)))
         while True:
@@ -414,7 +440,7 @@ class Generator:
             done[stop_now] = True
             if done.all():
                 break
-            slots, em, done, stopped = self.step(slots, Bb, self.infer.decode_chunk, top)
+            slots, em, done, stopped = self.step(slots, Bb, self.infer.decode_chunk, top, routes=routes)
             done, stopped = done[:n].copy(), stopped[:n]
             for i, st in enumerate(streams):
                 st.push_emitted(em, i)
@@ -482,17 +508,18 @@ class Emitted:
     lp: jax.Array
     top_ids: jax.Array
     top_lp: jax.Array
+    route: jax.Array                 # [B, cap, L, k] the fed token's expert ids ([B, cap, 0, 0]: not recorded)
     count: jax.Array
     drafted: jax.Array
     accepted: jax.Array
 
     @staticmethod
-    def empty(B: int, cap: int, top: int) -> "Emitted":
+    def empty(B: int, cap: int, top: int, route: tuple[int, int] = (0, 0)) -> "Emitted":
         return Emitted(jnp.zeros((B, cap), jnp.int32), jnp.zeros((B, cap), jnp.float32),
                        jnp.zeros((B, cap, top), jnp.int32), jnp.zeros((B, cap, top), jnp.float32),
-                       jnp.zeros((B,), jnp.int32), jnp.int32(0), jnp.int32(0))
+                       jnp.zeros((B, cap, *route), jnp.int32), jnp.zeros((B,), jnp.int32), jnp.int32(0), jnp.int32(0))
 
-    def put(self, live, tok, lps) -> "Emitted":
+    def put(self, live, tok, lps, route=None) -> "Emitted":
         chosen, top_ids, top_lp = lps
         B = tok.shape[0]
         col = jnp.where(live, self.count, self.tokens.shape[1])       # out of range: dropped
@@ -502,10 +529,18 @@ class Emitted:
             lp=self.lp.at[rows, col].set(chosen, mode="drop"),
             top_ids=self.top_ids.at[rows, col].set(top_ids, mode="drop"),
             top_lp=self.top_lp.at[rows, col].set(top_lp, mode="drop"),
+            route=self.route if route is None else self.route.at[rows, col].set(route, mode="drop"),
             count=self.count + live)
 
     def count_draft(self, live, accept) -> "Emitted":
         return dataclasses.replace(self, drafted=self.drafted + live.sum(), accepted=self.accepted + accept.sum())
+
+
+def _routes(aux: dict, B: int) -> jax.Array:
+    """The MoE stack's expert ids [L, B*T, k] of a model output as [B, T, L, k]."""
+    idx = aux["idx"]
+    L, _, k = idx.shape
+    return jnp.moveaxis(idx.reshape(L, B, -1, k), 0, 2)
 
 
 STACKS = {"dense_layers": "dense", "moe_layers": "moe"}
@@ -579,6 +614,8 @@ class Stream:
         self.ids: list[int] = []
         self.lps: list[float] = []
         self.tops: list[dict] = []
+        self.routes: list[np.ndarray] = []
+        self.prompt_routes: np.ndarray | None = None
         self.text = ""
         self.sent = 0
         self.cut: int | None = None      # token count where a stop string ended
@@ -586,11 +623,13 @@ class Stream:
         self.stream = decoders.DecodeStream(skip_special_tokens=True) if tokenizer is not None else None
         self.hold = max([len(s) for s in req.stop] + [1]) - 1
 
-    def push(self, toks, lps, top_ids, top_lp) -> None:
+    def push(self, toks, lps, top_ids, top_lp, routes=None) -> None:
         for j, t in enumerate(toks):
             if self.cut is not None:
                 return
             self.ids.append(int(t))
+            if routes is not None:
+                self.routes.append(routes[j])
             if self.want_lp:
                 self.lps.append(float(lps[j]))
                 self.tops.append({int(a): float(b) for a, b in zip(top_ids[j], top_lp[j])})
@@ -605,7 +644,8 @@ class Stream:
     def push_emitted(self, em: "Emitted", row: int) -> None:
         c = int(em.count[row])
         if c:
-            self.push(em.tokens[row, :c], em.lp[row, :c], em.top_ids[row, :c], em.top_lp[row, :c])
+            self.push(em.tokens[row, :c], em.lp[row, :c], em.top_ids[row, :c], em.top_lp[row, :c],
+                      em.route[row, :c] if self.req.routing else None)
 
     def _match_stop(self, start: int) -> None:
         """Cut the text at the first stop string that ends in the new piece (one that began
@@ -628,6 +668,11 @@ class Stream:
         reason = "stop" if (self.cut is not None or stopped) else "length"
         self._send(final=True)
         r = self.req
+        routing = None
+        if r.routing:
+            # the prompt's positions, then each fed completion token's (all but the last token)
+            fed = self.routes[:max(len(self.ids) - 1, 0)]
+            routing = np.concatenate([self.prompt_routes, *(x[None] for x in fed)]).astype(np.int32)
         return Completion(self.ids, self.text if self.tok is not None else None, reason, len(r.prompt_ids),
                           len(self.ids), self.lps if r.logprobs is not None else None,
-                          self.tops if r.logprobs else None)
+                          self.tops if r.logprobs else None, routing)

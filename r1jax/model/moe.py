@@ -29,8 +29,13 @@ def _experts(v: nnx.Variable, dtype):
     return tuple(e.astype(dtype) for e in a) if isinstance(a, tuple) else a.astype(dtype)
 
 
-def route(x_TD: jax.Array, weight_DE: jax.Array, bias_E: jax.Array, cfg: ModelConfig):
-    """-> combine weights w [T,k] fp32, expert ids idx [T,k] int32, scores s [T,E] fp32."""
+def route(x_TD: jax.Array, weight_DE: jax.Array, bias_E: jax.Array, cfg: ModelConfig,
+          replay_Tk: jax.Array | None = None):
+    """-> combine weights w [T,k] fp32, expert ids idx [T,k] int32, scores s [T,E] fp32.
+
+    `replay_Tk` (Rollout Routing Replay): expert ids chosen elsewhere (the rollout's generator),
+    -1 where none was recorded; a token that has them uses them instead of its own choice, and
+    its combine weights are this forward's scores at those experts (so the router still learns)."""
     T = x_TD.shape[0]
     E, G, k = cfg.n_routed_experts, cfg.n_group, cfg.num_experts_per_tok
     s = jax.nn.sigmoid(jnp.einsum("TD,DE->TE", x_TD.astype(F32), weight_DE.astype(F32)))
@@ -41,6 +46,8 @@ def route(x_TD: jax.Array, weight_DE: jax.Array, bias_E: jax.Array, cfg: ModelCo
         group_keep = (group_idx[:, :, None] == jnp.arange(G)).any(1)                    # [T,G]
         choice = jnp.where(jnp.repeat(group_keep, E // G, axis=1), choice, -jnp.inf)
     _, idx = jax.lax.top_k(choice, k)
+    if replay_Tk is not None:
+        idx = jnp.where(replay_Tk[:, :1] >= 0, replay_Tk, idx)
     w = jnp.take_along_axis(s, idx, axis=1)
     if cfg.norm_topk_prob:
         w = w / (w.sum(-1, keepdims=True) + 1e-20)
@@ -91,11 +98,13 @@ class MoE(nnx.Module):
         return tuple(self.lora[t].merged(w[...], name) for t, name, w in
                      zip(("gate_proj", "up_proj", "down_proj"), ("gate_EDF", "up_EDF", "down_EFD"), ws))
 
-    def __call__(self, x_BTD: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def __call__(self, x_BTD: jax.Array, replay_BTk: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """`replay_BTk`: expert ids to use instead of the router's choice (`route`)."""
         cfg, kn, dt = self.cfg, self.kernels, self.dtype
         B, T, D = x_BTD.shape
         x_TD = x_BTD.reshape(B * T, D)
-        w, idx, scores = route(x_TD, self.router_DE[...], self.router_bias_E[...], cfg)
+        replay = None if replay_BTk is None else replay_BTk.reshape(B * T, -1)
+        w, idx, scores = route(x_TD, self.router_DE[...], self.router_bias_E[...], cfg, replay)
         kind = dispatch.resolve(kn.moe_dispatch.value)
         experts = tuple(_experts(v, dt) for v in self._routed())
         if isinstance(experts[0], tuple) and kind != "grouped":

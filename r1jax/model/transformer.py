@@ -65,14 +65,15 @@ class Block(nnx.Module):
             self.mlp = MLP(D, cfg.intermediate_size, cfg.initializer_range, dtype, lora, "mlp", rngs=rngs)
         self.is_moe = moe
 
-    def __call__(self, x, cos, sin, segment_ids, kv: LayerKV | None = None):
-        """(y, aux), or (y, aux, kv) when extending the decode cache `kv`."""
+    def __call__(self, x, cos, sin, segment_ids, kv: LayerKV | None = None, replay=None):
+        """(y, aux), or (y, aux, kv) when extending the decode cache `kv`. `replay` [B,T,k]: the
+        MoE's expert ids to replay (`moe.route`)."""
         a = self.attn(self.input_norm(x), cos, sin, segment_ids, kv)
         if kv is not None:
             a, kv = a
         h = x + a
         if self.is_moe:
-            y, aux = self.mlp(self.post_attn_norm(h))
+            y, aux = self.mlp(self.post_attn_norm(h), replay)
         else:
             y, aux = self.mlp(self.post_attn_norm(h)), {}
         y = constrain(h + y, "batch", "seq", "act_embed")
@@ -86,19 +87,20 @@ def _checkpointed(fn, remat: Remat):
     return jax.checkpoint(fn, policy=policy, prevent_cse=False)
 
 
-def scan_blocks(graphdef, state, x, cos, sin, segment_ids, remat: Remat, valid=None):
+def scan_blocks(graphdef, state, x, cos, sin, segment_ids, remat: Remat, valid=None, replay=None):
     """Blocks with stacked parameters `state` [n, ...] applied in order under `lax.scan`.
 
     `valid` [n] bool marks real layers; a padding slot (False) passes its input through and
-    reports zero load, drops and balance loss, so its (zero) parameters get exactly zero gradient."""
+    reports zero load, drops and balance loss, so its (zero) parameters get exactly zero gradient.
+    `replay` [n, B, T, k]: each layer's expert ids to replay (`moe.route`)."""
     def body(carry, xs):
-        layer_state, ok = xs
-        y, aux = nnx.merge(graphdef, layer_state)(carry, cos, sin, segment_ids)
+        layer_state, ok, rep = xs
+        y, aux = nnx.merge(graphdef, layer_state)(carry, cos, sin, segment_ids, replay=rep)
         if ok is None:
             return y, aux
         return jnp.where(ok, y, carry), jax.tree.map(lambda a: jnp.where(ok, a, jnp.zeros_like(a)), aux)
 
-    return jax.lax.scan(_checkpointed(body, remat), x, (state, valid))
+    return jax.lax.scan(_checkpointed(body, remat), x, (state, valid, replay))
 
 
 def scan_blocks_kv(graphdef, state, x, cos, sin, segment_ids, kv: KV, name: str):
@@ -131,7 +133,7 @@ class Stack(nnx.Module):
         self.layers = make(rngs)
 
     def __call__(self, x, cos, sin, segment_ids, remat: Remat, kv: KV | None = None, name: str = "",
-                 layers: list[nnx.State] | None = None):
+                 layers: list[nnx.State] | None = None, replay=None):
         """(x, aux); with the decode cache `kv`, (x, aux, kv) with stack `name`'s entries written.
 
         `layers` (decode): the stack's parameters as one state per layer, run unrolled, each
@@ -140,7 +142,7 @@ class Stack(nnx.Module):
         static slices of the stack are slower still), and decode reads every weight once."""
         graphdef, state = nnx.split(self.layers)
         if kv is None:
-            return scan_blocks(graphdef, state, x, cos, sin, segment_ids, remat)
+            return scan_blocks(graphdef, state, x, cos, sin, segment_ids, remat, replay=replay)
         if layers is None:
             return scan_blocks_kv(graphdef, state, x, cos, sin, segment_ids, kv, name)
         auxes = []
@@ -234,7 +236,8 @@ class Transformer(nnx.Module):
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array | None = None,
                  segment_ids: jax.Array | None = None, *, mtp: bool = False, kv: KV | None = None,
-                 at: jax.Array | None = None, layers: dict[str, list[nnx.State]] | None = None) -> Output:
+                 at: jax.Array | None = None, layers: dict[str, list[nnx.State]] | None = None,
+                 routing: jax.Array | None = None) -> Output:
         """input_ids, positions, segment_ids: [B, T] int32. Positions default to 0..T-1 and
         segment ids to 1 (one document per row); tokens attend only within their segment.
         `mtp=True` also runs the MTP modules and returns their logits.
@@ -243,14 +246,17 @@ class Transformer(nnx.Module):
         (`kv.absorbed=False`) or decode; the output carries the cache and the final-norm hidden
         state at every position. `at` [B, T'] picks the positions logits are computed at (a
         prompt's last token), as the LM head over every position would dominate prefill.
-        `layers` gives stacks unrolled, one state per layer (`Stack.__call__`)."""
+        `layers` gives stacks unrolled, one state per layer (`Stack.__call__`).
+        `routing` [B, T, L, k] (Rollout Routing Replay): the MoE stack's expert ids per token and
+        layer, -1 where the router chooses (the generator records them: `Request.routing`)."""
         if kv is not None:
             return self._extend(input_ids, positions, segment_ids, kv, at, layers or {})
         x, positions, segment_ids = self.prologue(input_ids, positions, segment_ids)
         aux: dict[str, jax.Array] = {}
         if self.moe_layers is not None:
             cos, sin = rope.cos_sin(self.cfg, positions, self.dtype)
-            x, aux = self.moe_layers(x, cos, sin, segment_ids, self.remat)
+            replay = None if routing is None else jnp.moveaxis(routing, 2, 0)
+            x, aux = self.moe_layers(x, cos, sin, segment_ids, self.remat, replay=replay)
         out = self.epilogue(x, input_ids, positions, segment_ids, mtp=mtp)
         return Output(out.logits, out.mtp_logits, {**aux, **out.aux})
 

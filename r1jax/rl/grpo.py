@@ -11,7 +11,9 @@ Each step (`Rollouts.__next__`, the batches `train.loop.run` reads):
    `grpo.dynamic_sampling`;
 4. one row per completion (prompt + completion, loss mask on the completion's tokens, its EOS
    included), and the reference's log-probs when grpo.beta > 0 (`place`, a jitted forward of
-   the starting weights: for a LoRA run, the LoRA-off base).
+   the starting weights: for a LoRA run, the LoRA-off base). With grpo.routing_replay (Rollout
+   Routing Replay) the rows carry the rollout's expert ids, and the update and the reference
+   route every fed token as the generator did.
 The update is the train step with the GRPO objective (train/objectives.GRPO). Checkpoints,
 resume (the rollout stream restarts at the saved step, seeded by it), the metrics writer and
 SIGTERM are the trainer's. Eval (`RewardEval`) decodes held-out prompts greedily before the
@@ -128,7 +130,7 @@ class Rollouts(grain.DatasetIterator):
         ids = self.prompts.encode(examples)
         self.gen.load(policy_state(self.current(), cfg))
         reqs = [Request(tuple(p), max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
-                        seed=_seed(cfg.train.seed, self.step, i, k), logprobs=0)
+                        seed=_seed(cfg.train.seed, self.step, i, k), logprobs=0, routing=g.routing_replay)
                 for i, p in enumerate(ids) for k in range(G)]
         outs = self.gen.generate(reqs)
         tok = self.prompts.tok
@@ -158,6 +160,9 @@ class Rollouts(grain.DatasetIterator):
         B = len(outs)
         batch = {k: np.zeros((B, T), np.int32) for k in ("ids", "segment_ids", "positions", "loss_mask")}
         batch["old_logp"] = np.zeros((B, T), np.float32)
+        m = self.cfg.model
+        if self.cfg.grpo.routing_replay:      # -1: the router chooses (padding, each row's last token)
+            batch["routing"] = np.full((B, T, m.num_moe_layers, m.num_experts_per_tok), -1, np.int32)
         for j, o in enumerate(outs):
             p, c = prompts[j // G], o.completion_ids
             n = len(p) + len(c)
@@ -170,6 +175,8 @@ class Rollouts(grain.DatasetIterator):
             if keep is None or keep[j]:
                 batch["loss_mask"][j, len(p):n] = 1
             batch["old_logp"][j, len(p):n] = o.logprobs
+            if o.routing is not None:
+                batch["routing"][j, :len(o.routing)] = o.routing
         batch["advantages"] = adv.astype(np.float32)
         return batch
 
@@ -227,13 +234,14 @@ def _reference_logp(cfg: Config, graphdef, start_state: dict, mesh):
 
     def forward(st, batch):
         model = nnx.merge(graphdef, st["params"], st["rest"])
-        lp = token_logp(model(batch["ids"], batch["positions"], batch["segment_ids"]).logits, batch["ids"])
+        lp = token_logp(model(batch["ids"], batch["positions"], batch["segment_ids"],
+                              routing=batch.get("routing")).logits, batch["ids"])
         return jnp.roll(lp, 1, axis=1)
 
     with meshlib.activate(mesh):
         fn = meshlib.MeshedJit(jax.jit(forward, in_shardings=(jax.tree.map(lambda a: a.sharding, ref), bs),
                                        out_shardings=bs), mesh)
-    return lambda batch: fn(ref, {k: batch[k] for k in ("ids", "positions", "segment_ids")})
+    return lambda batch: fn(ref, {k: batch[k] for k in ("ids", "positions", "segment_ids", "routing") if k in batch})
 
 
 def train(cfg: Config, run_dir: str | Path, devices: list | None = None) -> dict[str, float]:

@@ -48,9 +48,10 @@ AUX = ("load", "dropped", "balance", "mtp_load", "mtp_dropped", "mtp_balance")  
 
 def forward(model, batch: dict, cfg: Config, layout: pipeline.Layout | None, mtp: bool):
     """The model's output on `batch`, through the run's pipeline when it has one (GPipe or
-    circular; 1F1B interleaves the backward and is the step's own)."""
+    circular; 1F1B interleaves the backward and is the step's own). A batch with "routing" (GRPO's
+    Rollout Routing Replay) replays those expert choices."""
     if layout is None:
-        return model(batch["ids"], batch["positions"], batch["segment_ids"], mtp=mtp)
+        return model(batch["ids"], batch["positions"], batch["segment_ids"], mtp=mtp, routing=batch.get("routing"))
     return pipeline.forward(model, batch, layout=layout, microbatches=cfg.train.microbatches, mtp=mtp)
 
 
