@@ -117,7 +117,7 @@ class Greedy:
         new = self._rows(zero, zero, zero, no, no, max_new, stop_ids)
         empty = self._rows(zero, zero, zero, ~no, no, max_new, stop_ids)      # every slot free (done)
         kv = jax.tree.unflatten(self.kv_tree, [jnp.zeros(s.shape, s.dtype) for s in self.kv_specs])
-        rows, kv, (tok, _) = self._prefill(params, ids, lengths, new, jnp.arange(B, dtype=jnp.int32), empty, kv)
+        rows, kv, (tok, *_) = self._prefill(params, ids, lengths, new, jnp.arange(B, dtype=jnp.int32), empty, kv)
         return (*self._state(rows, kv), tok, rows.done)
 
     def decode(self, *a):
