@@ -864,17 +864,13 @@ def check_dcn(mesh: dict[str, int], dcn: dict[str, int] | None, nodes: int) -> d
     return dcn
 
 
-def refusal(cfg: Config, mesh: dict[str, int]) -> tuple[str | None, str | None]:
-    """(error, refusal): `error` when the mesh breaks one of config.validate's rules other than
-    the ones r1jax may lift later; `refusal` when only those apply, so the planner still computes
-    the layout. (None is left: expert parallelism inside pipeline stages, the last, runs now.)"""
-    trial = dataclasses.replace(cfg, mesh=_mesh_config(mesh))
+def mesh_error(cfg: Config, mesh: dict[str, int]) -> str | None:
+    """config.validate's refusal of `cfg` on `mesh`, or None when r1jax runs it."""
     try:
-        configlib.validate(trial)
-        return None, None
+        configlib.validate(dataclasses.replace(cfg, mesh=_mesh_config(mesh)))
+        return None
     except ConfigError as e:
-        first = str(e)
-    return first, None
+        return str(e)
 
 
 def plan(cfg: Config, mesh_shape: dict[str, int], hardware: str, nodes: int = 1, *, backend: str = "gpu",
@@ -900,12 +896,14 @@ def plan(cfg: Config, mesh_shape: dict[str, int], hardware: str, nodes: int = 1,
                           f"{devices} devices, but --nodes {nodes} x {hw.gpus_per_node} GPUs = "
                           f"{nodes * hw.gpus_per_node}")
     dcn = check_dcn(mesh, dcn, nodes)
-    error, refused = refusal(cfg, mesh)
+    error = mesh_error(cfg, mesh)
     if error:
         raise ConfigError(error)
     out = evaluate(cfg, mesh, hardware, backend)
     comm = communication(cfg, mesh, dcn, hardware, geometry(cfg, mesh, backend))
-    out.update(nodes=nodes, devices=devices, gpus_per_node=hw.gpus_per_node, dcn=dcn, refused=refused,
+    # `refused` stays in the JSON (its readers check it): always None now, as a mesh r1jax would
+    # refuse is an error above
+    out.update(nodes=nodes, devices=devices, gpus_per_node=hw.gpus_per_node, dcn=dcn, refused=None,
                comm=comm, comm_bound=comm["comm_bound"], kv_cache=kv_cache(cfg.model),
                rules_of_thumb=rules_of_thumb(cfg, devices, hardware))
     if search:
@@ -980,39 +978,30 @@ def candidate_meshes(devices: int):
 
 def smallest_fit(cfg: Config, hardware: str, max_nodes: int = 4096) -> dict[str, Any] | None:
     """The fewest whole nodes (a power of two) with a power-of-two mesh that fits, keeping the
-    config's batch, remat and schedule. Among the fitting meshes of that size: one r1jax runs
-    today first, then the least memory. When only refused layouts fit there, the search goes on
-    to the smallest mesh r1jax runs today (`smallest_runnable`)."""
+    config's batch, remat and schedule, and the least memory among the meshes of that size that
+    fit and that r1jax runs."""
     hw = hardware_spec(hardware)
     usable = hw.mib * 2**20 * (1 - RESERVE)
     # the fp32 masters and AdamW moments (12 B a parameter in fp32) cannot be split over more than all devices
     n_params = sum(math.prod(l.shape) for l in leaves(cfg.model) if l.trainable)
     per_param = F32 + 2 * _moment_bytes(cfg)
     nodes = 2 ** max(0, math.ceil(math.log2(max(1.0, per_param * n_params / usable / hw.gpus_per_node))))
-    best_any = best_ok = None
-    while nodes <= max_nodes and best_ok is None:
+    while nodes <= max_nodes:
         fits = []
         for mesh in candidate_meshes(nodes * hw.gpus_per_node):
-            error, refused = refusal(cfg, mesh)
-            if error:
+            if mesh_error(cfg, mesh):
                 continue
             st = state_bytes(cfg, mesh)
             if st["params"] + st["opt"] > usable:          # the state alone is too big: skip the rest
                 continue
             r = evaluate(cfg, mesh, hardware)
             if r["fits"]:
-                fits.append((refused is not None, r["total"], mesh, refused))
+                fits.append((r["total"], mesh))
         if fits:
-            fits.sort(key=lambda f: (f[0], f[1]))
-            pick = {"nodes": nodes, "mesh": fits[0][2], "refused": fits[0][3], "total": fits[0][1],
-                    "usable_bytes": int(usable)}
-            best_any = best_any or pick
-            if not fits[0][0]:
-                best_ok = pick
+            total, mesh = min(fits, key=lambda f: f[0])
+            return {"smallest": {"nodes": nodes, "mesh": mesh, "total": total, "usable_bytes": int(usable)}}
         nodes *= 2
-    if best_any is None:
-        return None
-    return {"smallest": best_any, "smallest_runnable": best_ok}
+    return None
 
 
 # ------------------------------------------------------------------------------------- printing
@@ -1042,8 +1031,6 @@ def report(cfg: Config, r: dict[str, Any]) -> str:
              + (f"; {r['rows_per_device']} row(s) per device per microbatch" if r["mesh"]["pipeline"] == 1 else
                 f"; per device {r['rows_per_device']} row(s) outside the stages, {r['rows_per_stage_microbatch']} per "
                 f"pipeline microbatch")]
-    if r.get("refused"):
-        lines.append(f"NOTE: r1jax refuses this mesh today ({r['refused']}); the numbers are what it would hold")
     tr = r["trainable"]
     if tr["lora"]:
         lo = cfg.lora
@@ -1101,13 +1088,6 @@ def report(cfg: Config, r: dict[str, Any]) -> str:
             lines.append(f"smallest mesh that fits (powers of two, this config's batch and remat): {s['nodes']} "
                          f"node(s) = {s['nodes'] * gpn} GPUs, {_mesh_str(s['mesh'])}: "
                          f"{_gib(s['total'])} per device")
-            if s["refused"]:
-                lines.append(f"  r1jax refuses that mesh today: {s['refused']}")
-                o = p["smallest_runnable"]
-                if o:
-                    lines.append(f"smallest mesh r1jax runs today: {o['nodes']} node(s) = "
-                                 f"{o['nodes'] * gpn} GPUs, {_mesh_str(o['mesh'])}: "
-                                 f"{_gib(o['total'])} per device")
     return "\n".join(lines)
 
 
@@ -1230,9 +1210,9 @@ def config_mesh(path: str, overrides: list[str], devices: int) -> tuple[dict[str
 
 
 def _unvalidated_mesh(path: str, overrides: list[str], error: ConfigError) -> MeshConfig:
-    """The mesh section of the YAML after the mesh.* overrides, read without config.validate, which
-    may refuse the layout for a rule the planner lifts (load_for_mesh then decides); `error`, the
-    loader's, when even that cannot be read."""
+    """The mesh section of the YAML after the mesh.* overrides, read without config.validate (whose
+    refusal load_for_mesh raises once the -1 axis is resolved); `error`, the loader's, when even
+    that cannot be read."""
     import yaml
     from omegaconf import OmegaConf
     try:
@@ -1250,25 +1230,8 @@ def _mesh_overrides(mesh: dict[str, int], dcn: dict[str, int]) -> list[str]:
 def load_for_mesh(path: str, overrides: list[str], mesh: dict[str, int], dcn: dict[str, int] | None = None
                   ) -> Config:
     """The config with its mesh replaced by `mesh` (axes not in it are 1) and its dcn sizes by
-    `dcn` before it is validated. A mesh that config.validate refuses only for a rule r1jax may
-    lift (`refusal`; none today) is kept, so that it can be planned; any other refusal is raised."""
-    dcn = dcn or {}
-    try:
-        return configlib.load(path, [*overrides, *_mesh_overrides(mesh, dcn)])
-    except ConfigError as e:
-        error = e
-    if mesh.get("pipeline", 1) == 1:           # the rules the planner lifts all need a pipeline
-        raise error
-    try:
-        # the same mesh without its pipeline validates every other rule against this mesh's batch shards
-        base = configlib.load(path, [*overrides, *_mesh_overrides({**mesh, "pipeline": 1}, {**dcn, "pipeline": 1})])
-    except ConfigError:
-        raise error from None
-    full = {a: mesh.get(a, 1) for a in AXES}
-    err, refused = refusal(base, full)
-    if err or not refused:
-        raise error
-    return dataclasses.replace(base, mesh=_mesh_config(full, dcn))
+    `dcn` before it is validated (so the YAML's own mesh never refuses a --mesh)."""
+    return configlib.load(path, [*overrides, *_mesh_overrides(mesh, dcn or {})])
 
 
 def _jsonable(r: Any) -> Any:
