@@ -6,7 +6,7 @@
 `--run` runs, in this order and each in its own process: bench/data_pipeline.py, bench/remat.py,
 bench/accum.py, bench/compile_time.py, bench/moe_decode.py, bench/memory.py (the longest, ~25 minutes),
 bench/scale_state.py,
-bench/lora.py, then
+bench/lora.py, bench/grpo_trl.py (it needs `pip install -e '.[test,trl]'`), then
 `python -m r1jax.bench --config bench/configs/{dense_small,moe_small}.yaml --compare torch` and the
 bf16 comparison of dense_small (3 steps). A benchmark that fails is reported and
 the others still run; the exit status is then 1. Each writes bench/results/NAME.md and .json
@@ -24,8 +24,8 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 ORDER = ["bench", "generate", "moe_decode", "data_pipeline", "remat", "attention", "accum", "memory", "scale_state",
-         "compile_time", "lora"]
-SCRIPTS = ["data_pipeline", "remat", "attention", "accum", "compile_time", "moe_decode", "memory", "scale_state", "lora"]
+         "compile_time", "lora", "grpo_trl"]
+SCRIPTS = ["data_pipeline", "remat", "attention", "accum", "compile_time", "moe_decode", "memory", "scale_state", "lora", "grpo_trl"]
 COMPARE_CONFIGS = ["bench/configs/dense_small.yaml", "bench/configs/moe_small.yaml"]
 
 HEADER = """# r1jax benchmark results
