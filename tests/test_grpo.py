@@ -17,7 +17,7 @@ import pytest
 
 from r1jax import config as configlib
 from r1jax.checkpoint import params as ckpt
-from r1jax.config import Advantage, LossAgg
+from r1jax.config import Advantage, ConfigError, LossAgg
 from r1jax.model import Output
 from r1jax.rl import grpo
 from r1jax.train.objectives import GRPO
@@ -174,6 +174,33 @@ def test_grpo_runs_on_8_devices_as_on_1(tmp_path):
     pb = ckpt.ParamsReader(tmp_path / "eight" / "checkpoints")
     for k in pa.shapes:
         np.testing.assert_allclose(pb.read(k), pa.read(k), atol=1e-5, err_msg="/".join(k))
+
+
+@pytest.mark.slow
+def test_a_stopped_run_with_a_kl_reference_resumes_as_if_never_stopped(tmp_path):
+    """grpo.beta > 0: a run stopped after step 2 and started again loads its KL reference (the
+    starting weights) anew and checks it against the checkpoint's fingerprint; steps 3's loss,
+    KL and rewards and the final weights equal an uninterrupted run's. Other starting weights
+    are refused with one line, the checkpoints left as they were."""
+    run = [*RUN, "mesh.data=1", "checkpoint.every=1", "grpo.eval_prompts=0"]
+    grpo.train(configlib.load(TINY, run), tmp_path / "whole", jax.devices()[:1])
+    grpo.train(configlib.load(TINY, [*run, "train.stop_at=2"]), tmp_path / "split", jax.devices()[:1])
+    assert max(int(p.name) for p in (tmp_path / "split" / "checkpoints").iterdir() if p.name.isdigit()) == 2
+    grpo.train(configlib.load(TINY, run), tmp_path / "split", jax.devices()[:1])
+    whole = [r for r in _records(tmp_path / "whole") if "split" not in r]
+    split = [r for r in _records(tmp_path / "split") if "split" not in r]
+    assert [r["step"] for r in split] == [1, 2, 3]
+    for key in ("loss", "kl", "reward_mean", "ratio_drift"):
+        assert split[-1][key] == whole[-1][key], (key, split[-1][key], whole[-1][key])
+    assert whole[-1]["kl"] > 0
+    pa = ckpt.ParamsReader(tmp_path / "whole" / "checkpoints")
+    pb = ckpt.ParamsReader(tmp_path / "split" / "checkpoints")
+    for k in pa.shapes:
+        np.testing.assert_array_equal(pb.read(k), pa.read(k), err_msg="/".join(k))
+    before = sorted(p.name for p in (tmp_path / "split" / "checkpoints").iterdir())
+    with pytest.raises(ConfigError, match="not the ones this run started from"):
+        grpo.train(configlib.load(TINY, [*run, "train.steps=4", "train.seed=1"]), tmp_path / "split", jax.devices()[:1])
+    assert sorted(p.name for p in (tmp_path / "split" / "checkpoints").iterdir()) == before
 
 
 @pytest.mark.slow

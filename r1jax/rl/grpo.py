@@ -244,6 +244,27 @@ def _reference_logp(cfg: Config, graphdef, start_state: dict, mesh):
     return lambda batch: fn(ref, {k: batch[k] for k in ("ids", "positions", "segment_ids", "routing") if k in batch})
 
 
+def _fingerprint(start_state: dict) -> list[float]:
+    """[sum, sum of squares] over the starting weights (float64 on the host): how a resumed run
+    knows it rebuilt the same reference."""
+    leaves = jax.tree.leaves({"params": start_state["params"], "rest": start_state["rest"]})
+    sums = jax.device_get([(jnp.sum(a.astype(jnp.float32)), jnp.sum(jnp.square(a.astype(jnp.float32))))
+                           for a in leaves])
+    return [float(np.sum([a for a, _ in sums], dtype=np.float64)), float(np.sum([b for _, b in sums], dtype=np.float64))]
+
+
+def _check_reference(saved: list[float] | None, now: list[float], cfg: Config) -> None:
+    if saved is None:
+        raise ConfigError("grpo.beta > 0: the checkpoint records no reference (written with grpo.beta=0); "
+                          "resume with grpo.beta=0 or start a new run")
+    if not np.allclose(saved, now, rtol=1e-6, atol=0):
+        raise ConfigError(f"grpo.beta > 0: the starting weights loaded again for the KL reference "
+                          f"(model.init_from={cfg.model.init_from}, train.seed={cfg.train.seed}) are not the ones this run "
+                          f"started from "
+                          f"(sum, sum of squares {now[0]:.7g}, {now[1]:.7g} against {saved[0]:.7g}, {saved[1]:.7g}); "
+                          f"point model.init_from (and train.seed) at the original ones")
+
+
 def train(cfg: Config, run_dir: str | Path, devices: list | None = None) -> dict[str, float]:
     """A GRPO run in `run_dir` (resuming from its latest checkpoint) on `devices` (default: all);
     returns the final metrics."""
@@ -300,10 +321,16 @@ def train(cfg: Config, run_dir: str | Path, devices: list | None = None) -> dict
                     eos_id=eos, tokenizer=tok)
     holder = {"state": state}
     rollouts = Rollouts(cfg, prompts, gen, lambda: holder["state"], 0 if resume is None else resume)
-    reference = _reference_logp(cfg, graphdef, state, mesh) if g.beta and resume is None else None
-    if g.beta and reference is None:
-        raise ConfigError("grpo.beta > 0: resuming a GRPO run would need its reference (the starting weights), "
-                          "which the checkpoint does not keep yet; resume with grpo.beta=0")
+    reference, save_meta = None, {}
+    if g.beta:
+        # the reference is the starting weights: a resumed run loads them again from where the
+        # first start did (model.init_from, or train.seed's init), and checks they are the same
+        start_state = state if resume is None else dict(zip(("params", "rest"), statelib.split(
+            weights.initial(cfg, mesh, None, log=lambda s: log_line(f"reference: {s}")), cfg)))
+        reference = _reference_logp(cfg, graphdef, start_state, mesh)
+        save_meta = {"reference_fingerprint": _fingerprint(start_state)}
+        if resume is not None:
+            _check_reference(meta.get("reference_fingerprint"), save_meta["reference_fingerprint"], cfg)
     bsharding = meshlib.batch_sharding(mesh)
 
     def place(local: dict):
@@ -327,7 +354,7 @@ def train(cfg: Config, run_dir: str | Path, devices: list | None = None) -> dict
     guarding = trainer._guarding(cfg, run_dir, writer, None)     # bad steps are skipped; no rollback yet
     try:
         result = loop.run(step, state, rollouts, place=place, start=start, end=min(t.steps, t.stop_at or t.steps),
-                          total=t.steps, log_every=t.log_every, writer=writer, checkpointer=ckpt, save_meta={},
+                          total=t.steps, log_every=t.log_every, writer=writer, checkpointer=ckpt, save_meta=save_meta,
                           evaluator=evaluator, eval_every=t.eval_every,
                           tokens_per_step=t.global_batch_size * cfg.data.seq_len,
                           flops_per_token=0.0, peak_flops=1.0,     # no MFU: rollouts dominate a step
@@ -340,7 +367,7 @@ def train(cfg: Config, run_dir: str | Path, devices: list | None = None) -> dict
     if result.stopped is None and evaluator is not None:
         final.update({f"eval_{k}": v for k, v in evaluator(state, done).items()})
     if ckpt.latest_step() != done and result.saveable:
-        ckpt.save(state, rollouts, meta={}, force=True)
+        ckpt.save(state, rollouts, meta=save_meta, force=True)
     ckpt.close()
     if jax.process_index() == 0:
         plot(writer.series("train"), writer.series("eval"), run_dir / "rewards.png")
