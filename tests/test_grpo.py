@@ -204,6 +204,31 @@ def test_a_stopped_run_with_a_kl_reference_resumes_as_if_never_stopped(tmp_path)
 
 
 @pytest.mark.slow
+def test_a_poisoned_step_rolls_back_and_a_resume_keeps_the_skipped_rollouts_skipped(tmp_path):
+    """A NaN parameter at step 3 (train.inject_faults) makes the step bad: the run rolls back to
+    step 2's checkpoint once, skips step 3's rollouts (recorded in the meta) and ends finite. A
+    run stopped after step 4 and resumed draws the same rollouts for step 5 as the one left
+    alone: the skipped draws are counted from the meta."""
+    run = [*RUN, "mesh.data=1", "checkpoint.every=1", "grpo.eval_prompts=0", "train.steps=5",
+           "train.inject_faults=[nan_param@3]", "train.max_bad_steps=1"]
+    grpo.train(configlib.load(TINY, run), tmp_path / "whole", jax.devices()[:1])
+    recs = _records(tmp_path / "whole")
+    rollbacks = [r for r in recs if r.get("event") == "rollback"]
+    assert len(rollbacks) == 1 and rollbacks[0]["to_step"] == 2 and rollbacks[0]["skipped_batches"] == [3, 3]
+    meta = json.loads((tmp_path / "whole" / "checkpoints" / "5" / "meta" / "metadata").read_text())
+    assert meta["skipped_batches"] == [[3, 3]] and meta["rollbacks"] == 1
+    final = json.loads((tmp_path / "whole" / "final.json").read_text())
+    assert final["step"] == 5 and np.isfinite(final["loss"])
+    grpo.train(configlib.load(TINY, [*run, "train.stop_at=4"]), tmp_path / "split", jax.devices()[:1])
+    grpo.train(configlib.load(TINY, run), tmp_path / "split", jax.devices()[:1])
+    last = [[r for r in _records(tmp_path / name) if "split" not in r and "event" not in r][-1]
+            for name in ("whole", "split")]
+    assert last[0]["step"] == last[1]["step"] == 5
+    for key in ("loss", "kl", "reward_mean"):
+        assert last[1][key] == last[0][key], (key, last[1][key], last[0][key])
+
+
+@pytest.mark.slow
 def test_rollout_routing_replay_cuts_the_first_updates_ratio_drift(tmp_path, monkeypatch):
     """grpo.routing_replay: the rows carry the rollout's expert ids and the update routes by them.
     With bf16 rollouts (infer.dtype=bf16) and an fp32 update, the routers of the two disagree on

@@ -299,6 +299,7 @@ def train(cfg: Config, run_dir: str | Path, devices: list | None = None) -> dict
 
     tx = make_optimizer(cfg.optim, t.steps)
     graphdef, target = weights.target(cfg, mesh, None)
+    meta: dict = {}
     if resume is not None:
         abstract, shardings = statelib.abstract(target, tx, cfg, mesh)
         state, meta, _ = ckpt.restore(resume, abstract, None)
@@ -320,15 +321,19 @@ def train(cfg: Config, run_dir: str | Path, devices: list | None = None) -> dict
                     dataclasses.replace(cfg.infer, batch_size=t.global_batch_size), mesh=mesh, kernels=cfg.kernels,
                     eos_id=eos, tokenizer=tok)
     holder = {"state": state}
-    rollouts = Rollouts(cfg, prompts, gen, lambda: holder["state"], 0 if resume is None else resume)
-    reference, save_meta = None, {}
+    # what rollbacks skipped stays on record in every later checkpoint; the rollout stream runs
+    # ahead of the loop's step by the draws they skipped
+    save_meta = {k: meta[k] for k in ("skipped_batches", "rollbacks") if k in meta}
+    ahead = sum(hi - lo + 1 for lo, hi in meta.get("skipped_batches", []))
+    rollouts = Rollouts(cfg, prompts, gen, lambda: holder["state"], (resume or 0) + ahead)
+    reference = None
     if g.beta:
         # the reference is the starting weights: a resumed run loads them again from where the
         # first start did (model.init_from, or train.seed's init), and checks they are the same
         start_state = state if resume is None else dict(zip(("params", "rest"), statelib.split(
             weights.initial(cfg, mesh, None, log=lambda s: log_line(f"reference: {s}")), cfg)))
         reference = _reference_logp(cfg, graphdef, start_state, mesh)
-        save_meta = {"reference_fingerprint": _fingerprint(start_state)}
+        save_meta["reference_fingerprint"] = _fingerprint(start_state)
         if resume is not None:
             _check_reference(meta.get("reference_fingerprint"), save_meta["reference_fingerprint"], cfg)
     bsharding = meshlib.batch_sharding(mesh)
@@ -351,7 +356,23 @@ def train(cfg: Config, run_dir: str | Path, devices: list | None = None) -> dict
     start = int(state["step"])
     if evaluator is not None and start == 0:
         evaluator(state, 0)                 # before the first update
-    guarding = trainer._guarding(cfg, run_dir, writer, None)     # bad steps are skipped; no rollback yet
+    def rollback(first_bad: int, done: int):
+        """The newest checkpoint before `first_bad`. The rollouts of the steps after it up to
+        `done` are not drawn again: the stream goes on from where it is, so their prompts and
+        seeds are skipped (recorded in the checkpoint meta from now on)."""
+        ckpt.wait()
+        good = [s for s in ckpt.steps() if s < first_bad]
+        if not good:
+            raise loop.RunFailed(f"bad steps from step {first_bad} on and no checkpoint before it to roll back to "
+                                 f"(checkpoint.every={cfg.checkpoint.every})")
+        holder["state"] = None                  # free it before the checkpoint is read
+        restored, saved, _ = ckpt.restore(good[0], statelib.abstract(target, tx, cfg, mesh)[0], None)
+        holder["state"] = restored
+        save_meta.update(skipped_batches=[*saved.get("skipped_batches", []), [good[0] + 1, done]],
+                         rollbacks=saved.get("rollbacks", 0) + 1)
+        return restored, rollouts, good[0]
+
+    guarding = trainer._guarding(cfg, run_dir, writer, rollback)
     try:
         result = loop.run(step, state, rollouts, place=place, start=start, end=min(t.steps, t.stop_at or t.steps),
                           total=t.steps, log_every=t.log_every, writer=writer, checkpointer=ckpt, save_meta=save_meta,
