@@ -304,6 +304,7 @@ class GRPOConfig:
     advantage: Advantage = Advantage.std
     loss_agg: LossAgg = LossAgg.token
     dynamic_sampling: bool = False     # drop groups whose rewards are all equal (their advantage is 0)
+    resample_rounds: int = 0           # with dynamic_sampling: up to N more rounds of prompts replace those groups (DAPO)
     overlong_buffer: int = 0           # DAPO's soft overlong penalty over the last N tokens (0: off)
     overlong_penalty: float = 1.0      # ... reaching -overlong_penalty at max_new_tokens
     routing_replay: bool = False       # Rollout Routing Replay: the update uses the rollout's expert choices
@@ -795,6 +796,10 @@ def validate(cfg: Config) -> None:
         _need(0 < g.top_p <= 1, f"grpo.top_p={g.top_p}: must be in (0, 1]")
         _need(g.beta >= 0, f"grpo.beta={g.beta}: must be >= 0")
         _need(g.clip_low >= 0 and g.clip_high >= 0, "grpo.clip_low, grpo.clip_high: must be >= 0")
+        _need(g.resample_rounds >= 0, f"grpo.resample_rounds={g.resample_rounds}: must be >= 0")
+        _need(g.resample_rounds == 0 or g.dynamic_sampling,
+              f"grpo.resample_rounds={g.resample_rounds}: replaces the groups dynamic sampling drops; "
+              f"set grpo.dynamic_sampling=true too (or resample_rounds=0)")
         _need(0 <= g.overlong_buffer < g.max_new_tokens, f"grpo.overlong_buffer={g.overlong_buffer}: must be in "
                                                          f"[0, grpo.max_new_tokens={g.max_new_tokens})")
         _need(g.eval_prompts >= 0, f"grpo.eval_prompts={g.eval_prompts}: must be >= 0")

@@ -51,6 +51,8 @@ BAD = {
     "unknown objective": (["loss.objective=dpo"], "loss.objective"),
     "routing replay without MoE": (["loss.objective=grpo", "grpo.task=reverse", "grpo.routing_replay=true",
                                     "model.first_k_dense_replace=3"], "grpo.routing_replay=true: the model has no MoE"),
+    "resampling without dynamic sampling": (["loss.objective=grpo", "grpo.resample_rounds=2"],
+                                            "grpo.resample_rounds=2: replaces the groups dynamic sampling drops"),
 }
 
 

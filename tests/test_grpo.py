@@ -91,6 +91,18 @@ def test_loss_equals_trl_formulas(agg, loss_type, beta):
     assert 0 < float(metrics["clip_low_frac"][0]) + float(metrics["clip_high_frac"][0])   # the drift clips some
 
 
+def _word_tokenizer(extra: list[str]):
+    """Special tokens, the letters a-p and `extra` as whole words, with R1's chat markers."""
+    from r1jax.data import chat
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+    words = ["<|bos|>", "<|eos|>", "<|pad|>", "[UNK]", *"abcdefghijklmnop", *extra]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens([AddedToken(t, special=True) for t in (*words[:3], *chat.MARKERS)])
+    tok.add_tokens([AddedToken(t, special=False) for t in chat.THINK])
+    return tok
+
+
 def _bandit(tmp_path, steps=50):
     """A constant prompt; reward 1 when the one sampled token is the target token."""
     from r1jax.data import chat
@@ -101,14 +113,8 @@ def _bandit(tmp_path, steps=50):
     from r1jax.train.objectives import make
     from r1jax.train.step import build, make_train_step
 
-    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
-
     # a 32-entry vocabulary: the target starts at about 1/32 of the draws (grpo.md's bandit)
-    words = ["<|bos|>", "<|eos|>", "<|pad|>", "[UNK]", *"abcdefghijklmnop", "pick"]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.add_special_tokens([AddedToken(t, special=True) for t in (*words[:3], *chat.MARKERS)])
-    tok.add_tokens([AddedToken(t, special=False) for t in chat.THINK])
+    tok = _word_tokenizer(["pick"])
     cfg = configlib.load(TINY, ["loss.objective=grpo", "grpo.group_size=8", "train.global_batch_size=32",
                                 "grpo.max_new_tokens=1", "grpo.beta=0", "data.seq_len=32", "optim.lr=3e-3",
                                 "optim.warmup_ratio=0", "train.steps=200", "mesh.data=1", "loss.mtp_loss_weight=0",
@@ -122,7 +128,7 @@ def _bandit(tmp_path, steps=50):
                     tokenizer=tok)
     bandit = rewards.Combined({"hit": lambda text, ex: float(text == target)}, {"hit": 1.0})
     rollouts = grpo.Rollouts(cfg, grpo.Prompts("bandit", tok, chat.Template()), gen, lambda: holder["state"], 0,
-                             reward=bandit, examples=lambda step, n: [{"prompt": "pick a letter"}] * n)
+                             reward=bandit, examples=lambda step, rnd, n: [{"prompt": "pick a letter"}] * n)
     curve = []
     state = setup.state
     for _ in range(steps):
@@ -133,6 +139,55 @@ def _bandit(tmp_path, steps=50):
         if curve[-1] >= 0.9:
             break
     return curve
+
+
+def test_dynamic_sampling_resamples_groups_without_reward_spread(tmp_path):
+    """DAPO's over-sampling: of round 0's 4 prompts, the 2 "flat" ones (reward 1 whatever is
+    sampled) are replaced by groups with a spread from round 1 (all "spread" prompts, rewarded by
+    the sampled token); without resample_rounds they stay in the batch, masked."""
+    from r1jax.data import chat
+    from r1jax.data import tokenizer as toklib
+    from r1jax.infer.generator import Generator
+    from r1jax.parallel import mesh as meshlib
+    from r1jax.rl import rewards
+    from r1jax.train.step import build
+
+    tok = _word_tokenizer(["pick", "flat", "spread"])
+    reward = rewards.Combined({"r": lambda text, ex: 1.0 if ex["kind"] == "flat" else float(text < "h")}, {"r": 1.0})
+    drawn = []
+
+    def examples(step, rnd, n):
+        drawn.append(rnd)
+        kinds = ["flat", "spread", "flat", "spread"] if rnd == 0 else ["spread"] * n
+        return [{"prompt": f"pick {k}", "kind": k} for k in kinds]
+
+    got = {}
+    for rounds in (0, 2):
+        cfg = configlib.load(TINY, ["loss.objective=grpo", "grpo.group_size=8", "train.global_batch_size=32",
+                                    "grpo.max_new_tokens=1", "grpo.beta=0", "data.seq_len=32", "mesh.data=1",
+                                    "model.vocab_size=32", "data.tokenizer=unused", "grpo.dynamic_sampling=true",
+                                    f"grpo.resample_rounds={rounds}"])
+        setup = build(cfg, meshlib.single_device_mesh())
+        gen = Generator(dataclasses.replace(cfg.model, num_nextn_predict_layers=0),
+                        grpo.policy_state(setup.state, cfg), cfg.infer, mesh=setup.mesh, eos_id=toklib.eos_id(tok),
+                        tokenizer=tok)
+        drawn.clear()
+        ro = grpo.Rollouts(cfg, grpo.Prompts("t", tok, chat.Template()), gen, lambda: setup.state, 0,
+                           reward=reward, examples=examples)
+        batch = next(ro)
+        got[rounds] = (batch, dict(ro.metrics), list(drawn))
+    flat = tok.token_to_id("flat")
+    for rounds, (batch, metrics, rnds) in got.items():
+        assert metrics["frac_reward_zero_std"] == 0.5                 # round 0's groups, either way
+        n = batch["segment_ids"].sum(axis=1)            # the prompt, then one sampled token
+        rows_flat = np.asarray([(batch["ids"][j, :n[j] - 1] == flat).any() for j in range(len(n))])
+        masked = batch["loss_mask"].sum(axis=1) == 0
+        if rounds == 0:
+            assert rnds == [0] and rows_flat.sum() == 16 and (masked == rows_flat).all()
+        else:
+            assert rnds[0] == 0 and len(rnds) >= 2 and metrics["resampled_groups"] == 2
+            assert not rows_flat.any() and not masked.any()
+            assert (batch["advantages"] != 0).any()
 
 
 @pytest.mark.slow

@@ -8,7 +8,7 @@ Each step (`Rollouts.__next__`, the batches `train.loop.run` reads):
    with each token's log-probability (the ratio's old policy);
 3. rewards on the decoded text (rl/rewards.py and the task's; DAPO's soft overlong penalty),
    advantages per group (`advantages`), groups of equal rewards dropped from the loss with
-   `grpo.dynamic_sampling`;
+   `grpo.dynamic_sampling` (with `grpo.resample_rounds`, replaced from further rounds of prompts);
 4. one row per completion (prompt + completion, loss mask on the completion's tokens, its EOS
    included), and the reference's log-probs when grpo.beta > 0 (`place`, a jitted forward of
    the starting weights: for a LoRA run, the LoRA-off base). With grpo.routing_replay (Rollout
@@ -106,13 +106,16 @@ class Rollouts(grain.DatasetIterator):
     stream of prompts and seeds exactly."""
 
     def __init__(self, cfg: Config, prompts: Prompts, gen: Generator, current: Callable[[], dict], step: int,
-                 reward: rewardlib.Combined | None = None, examples: Callable[[int, int], list[dict]] | None = None):
+                 reward: rewardlib.Combined | None = None,
+                 examples: Callable[[int, int, int], list[dict]] | None = None):
         super().__init__()
         self.cfg, self.prompts, self.gen, self.current, self.step = cfg, prompts, gen, current, step
         g = cfg.grpo
-        # the task's prompts and grpo.rewards unless given (tests pose other problems)
+        # the task's prompts and grpo.rewards unless given (tests pose other problems);
+        # examples(step, round, n): round 0 is the step's own draw, rounds 1.. DAPO's resampling
         self.reward = reward or rewardlib.combine(dict(g.rewards), {**rewardlib.REWARDS, **tasks.TASK_REWARDS})
-        self.examples = examples or (lambda step, n: tasks.generate(g.task, n, seed=_seed(cfg.train.seed, "grpo", step)))
+        self.examples = examples or (lambda step, rnd, n: tasks.generate(
+            g.task, n, seed=_seed(cfg.train.seed, "grpo", step, *((rnd,) if rnd else ()))))
         self.metrics: dict[str, float] = {}
 
     def get_state(self) -> dict:
@@ -121,16 +124,16 @@ class Rollouts(grain.DatasetIterator):
     def set_state(self, state: dict) -> None:
         self.step = int(state["step"])
 
-    def __next__(self) -> dict:
+    def _round(self, rnd: int, P: int):
+        """P prompts of this step's round `rnd`, G completions each on the current weights: (prompt
+        ids, completions, per-completion reward parts, total rewards, lengths)."""
         cfg, g = self.cfg, self.cfg.grpo
-        t0 = time.perf_counter()
         G = g.group_size
-        P = cfg.train.global_batch_size // G
-        examples = self.examples(self.step, P)
+        examples = self.examples(self.step, rnd, P)
         ids = self.prompts.encode(examples)
-        self.gen.load(policy_state(self.current(), cfg))
+        extra = (rnd,) if rnd else ()                 # round 0 keeps the seeds a step always had
         reqs = [Request(tuple(p), max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
-                        seed=_seed(cfg.train.seed, self.step, i, k), logprobs=0, routing=g.routing_replay)
+                        seed=_seed(cfg.train.seed, self.step, i, k, *extra), logprobs=0, routing=g.routing_replay)
                 for i, p in enumerate(ids) for k in range(G)]
         outs = self.gen.generate(reqs)
         tok = self.prompts.tok
@@ -141,17 +144,41 @@ class Rollouts(grain.DatasetIterator):
         lengths = np.asarray([len(o.completion_ids) for o in outs])
         r = np.asarray([self.reward.total(s) for s in scores], np.float32)
         r = r + overlong(lengths, g.max_new_tokens, g.overlong_buffer, g.overlong_penalty)
-        rPG = r.reshape(P, G)
-        same = np.ptp(rPG, axis=1) == 0
-        adv = advantages(rPG, g.advantage).reshape(-1)
-        batch = self._rows(ids, outs, adv, keep=np.repeat(~same, G) if g.dynamic_sampling else None)
-        self.step += 1
+        return ids, outs, scores, r, lengths
+
+    def __next__(self) -> dict:
+        cfg, g = self.cfg, self.cfg.grpo
+        t0 = time.perf_counter()
+        G = g.group_size
+        P = cfg.train.global_batch_size // G
+        self.gen.load(policy_state(self.current(), cfg))
+        ids, outs, scores, r, lengths = self._round(0, P)
+        same = np.ptp(r.reshape(P, G), axis=1) == 0
+        # the step's metrics describe round 0: the policy's own samples, before any filtering
         self.metrics = {"reward_mean": float(r.mean()), "reward_std": float(r.std()),
                         "frac_reward_zero_std": float(same.mean()), "completion_len": float(lengths.mean()),
                         "stopped_frac": float(np.mean([o.finish_reason == "stop" for o in outs])),
-                        "rollout_s": time.perf_counter() - t0,
                         **{f"reward_{k}": float(np.mean([s[k] for s in scores])) for k in scores[0]},
                         **{f"reward_{k}_std": float(np.std([s[k] for s in scores])) for k in scores[0]}}
+        # DAPO's dynamic sampling: groups whose rewards are all equal are replaced by groups with
+        # a spread from further rounds of P prompts, up to grpo.resample_rounds of them
+        replaced, rounds = 0, 0
+        while g.dynamic_sampling and same.any() and rounds < g.resample_rounds:
+            rounds += 1
+            ids2, outs2, _, r2, _ = self._round(rounds, P)
+            spread = np.flatnonzero(np.ptp(r2.reshape(P, G), axis=1) > 0)
+            for dst, src in zip(np.flatnonzero(same), spread):
+                ids[dst] = ids2[src]
+                outs[dst * G:(dst + 1) * G] = outs2[src * G:(src + 1) * G]
+                r[dst * G:(dst + 1) * G] = r2[src * G:(src + 1) * G]
+                same[dst] = False
+                replaced += 1
+        adv = advantages(r.reshape(P, G), g.advantage).reshape(-1)
+        batch = self._rows(ids, outs, adv, keep=np.repeat(~same, G) if g.dynamic_sampling else None)
+        self.step += 1
+        if g.resample_rounds:
+            self.metrics.update(resampled_groups=float(replaced), resample_rounds=float(rounds))
+        self.metrics["rollout_s"] = time.perf_counter() - t0
         return batch
 
     def _rows(self, prompts: list[list[int]], outs, adv: np.ndarray, keep: np.ndarray | None) -> dict:
