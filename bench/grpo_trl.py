@@ -65,21 +65,21 @@ def _prepare_side(work: Path, n_steps: int) -> None:
     from r1jax import config as configlib
     from r1jax import weights
     from r1jax.convert import hf
-    from r1jax.data import chat, tasks
-    from r1jax.rl.grpo import Prompts, _seed
+    from r1jax.data import chat
+    from r1jax.data import tokenizer as toklib
+    from r1jax.rl.grpo import Prompts, step_examples
 
     shutil.copy(work / "sft" / "tokenizer.json", work / "sft_hf" / "tokenizer.json")
     cfg = configlib.load(str(CONFIG), [f"model.hf_config={work / 'sft_hf'}"])
     hf.save(weights.create(cfg.model, seed=0), cfg.model, work / "random_hf")
     shutil.copy(work / "sft" / "tokenizer.json", work / "random_hf" / "tokenizer.json")
-    from r1jax.data import tokenizer as toklib
     tok = toklib.load(work / "sft_hf" / "tokenizer.json")
     template = chat.for_directory(work / "sft_hf")
     prompts = Prompts("reverse", tok, template)
     P = cfg.train.global_batch_size // cfg.grpo.group_size
     with open(work / "prompts.jsonl", "w") as f:
         for step in range(n_steps):     # as grpo.Rollouts draws them for train.seed 0
-            examples = tasks.generate("reverse", P, seed=_seed(cfg.train.seed, "grpo", step))
+            examples = step_examples(cfg, step, 0, P)
             for ex, ids in zip(examples, prompts.encode(examples)):
                 f.write(json.dumps({"prompt": template.render([{"role": "user", "content": ex["prompt"]}]),
                                     "ids": ids, "example": json.dumps(ex)}) + "\n")

@@ -100,6 +100,11 @@ class Prompts:
                                 add_special_tokens=False).ids for ex in examples]
 
 
+def step_examples(cfg: Config, step: int, rnd: int, n: int) -> list[dict]:
+    """The n task problems GRPO poses at `step` (round `rnd` > 0: DAPO's resampling draws)."""
+    return tasks.generate(cfg.grpo.task, n, seed=_seed(cfg.train.seed, "grpo", step, *((rnd,) if rnd else ())))
+
+
 class Rollouts(grain.DatasetIterator):
     """The GRPO batches: each `next` rolls out on `current()`'s weights (the loop asks for a batch
     only after the previous step returned). State: the step, so a resumed run continues its
@@ -114,8 +119,7 @@ class Rollouts(grain.DatasetIterator):
         # the task's prompts and grpo.rewards unless given (tests pose other problems);
         # examples(step, round, n): round 0 is the step's own draw, rounds 1.. DAPO's resampling
         self.reward = reward or rewardlib.combine(dict(g.rewards), {**rewardlib.REWARDS, **tasks.TASK_REWARDS})
-        self.examples = examples or (lambda step, rnd, n: tasks.generate(
-            g.task, n, seed=_seed(cfg.train.seed, "grpo", step, *((rnd,) if rnd else ()))))
+        self.examples = examples or (lambda step, rnd, n: step_examples(cfg, step, rnd, n))
         self.metrics: dict[str, float] = {}
 
     def get_state(self) -> dict:
@@ -350,7 +354,7 @@ def train(cfg: Config, run_dir: str | Path, devices: list | None = None) -> dict
     holder = {"state": state}
     # what rollbacks skipped stays on record in every later checkpoint; the rollout stream runs
     # ahead of the loop's step by the draws they skipped
-    save_meta = {k: meta[k] for k in ("skipped_batches", "rollbacks") if k in meta}
+    save_meta = trainer.skips_on_record(meta)
     ahead = sum(hi - lo + 1 for lo, hi in meta.get("skipped_batches", []))
     rollouts = Rollouts(cfg, prompts, gen, lambda: holder["state"], (resume or 0) + ahead)
     reference = None
@@ -383,21 +387,17 @@ def train(cfg: Config, run_dir: str | Path, devices: list | None = None) -> dict
     start = int(state["step"])
     if evaluator is not None and start == 0:
         evaluator(state, 0)                 # before the first update
+
     def rollback(first_bad: int, done: int):
         """The newest checkpoint before `first_bad`. The rollouts of the steps after it up to
         `done` are not drawn again: the stream goes on from where it is, so their prompts and
         seeds are skipped (recorded in the checkpoint meta from now on)."""
-        ckpt.wait()
-        good = [s for s in ckpt.steps() if s < first_bad]
-        if not good:
-            raise loop.RunFailed(f"bad steps from step {first_bad} on and no checkpoint before it to roll back to "
-                                 f"(checkpoint.every={cfg.checkpoint.every})")
+        to = trainer.rollback_step(ckpt, first_bad, cfg)
         holder["state"] = None                  # free it before the checkpoint is read
-        restored, saved, _ = ckpt.restore(good[0], statelib.abstract(target, tx, cfg, mesh)[0], None)
+        restored, saved, _ = ckpt.restore(to, statelib.abstract(target, tx, cfg, mesh)[0], None)
         holder["state"] = restored
-        save_meta.update(skipped_batches=[*saved.get("skipped_batches", []), [good[0] + 1, done]],
-                         rollbacks=saved.get("rollbacks", 0) + 1)
-        return restored, rollouts, good[0]
+        save_meta.update(trainer.skips_after_rollback(saved, to, done))
+        return restored, rollouts, to
 
     guarding = trainer._guarding(cfg, run_dir, writer, rollback)
     try:

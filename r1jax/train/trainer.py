@@ -278,9 +278,29 @@ def _restore_step(cfg: Config, ckpt: Checkpointer, data: Data, abstract: dict, s
         raise
     if note:
         log_line(note)
-    # what a rollback skipped stays on record in every later checkpoint
-    data_meta.update({k: meta[k] for k in ("skipped_batches", "rollbacks") if k in meta})
+    data_meta.update(skips_on_record(meta))
     return state, data_iter, data_meta
+
+
+def skips_on_record(meta: dict) -> dict:
+    """What rollbacks skipped, from a checkpoint's meta: kept in every later checkpoint's."""
+    return {k: meta[k] for k in ("skipped_batches", "rollbacks") if k in meta}
+
+
+def rollback_step(ckpt: Checkpointer, first_bad: int, cfg: Config) -> int:
+    """The newest checkpoint step before `first_bad` (its writes finished first), or RunFailed."""
+    ckpt.wait()
+    good = [s for s in ckpt.steps() if s < first_bad]
+    if not good:
+        raise loop.RunFailed(f"bad steps from step {first_bad} on and no checkpoint before it to roll back to "
+                             f"(checkpoint.every={cfg.checkpoint.every})")
+    return good[0]
+
+
+def skips_after_rollback(meta: dict, to: int, done: int) -> dict:
+    """`skips_on_record` of the checkpoint rolled back to, plus the steps to+1..done just skipped."""
+    return {"skipped_batches": [*meta.get("skipped_batches", []), [to + 1, done]],
+            "rollbacks": meta.get("rollbacks", 0) + 1}
 
 
 def _resume(cfg: Config, ckpt: Checkpointer, data: Data, abstract: dict):
@@ -424,19 +444,14 @@ def train(cfg: Config, run_dir: str | Path) -> dict[str, float]:
         """The newest checkpoint before `first_bad`, with the batches of the steps after it up to
         `done` skipped (and recorded in the checkpoint meta from now on)."""
         nonlocal data_iter
-        ckpt.wait()
-        good = [s for s in ckpt.steps() if s < first_bad]
-        if not good:
-            raise loop.RunFailed(f"bad steps from step {first_bad} on and no checkpoint before it to roll back to "
-                                 f"(checkpoint.every={cfg.checkpoint.every})")
+        to = rollback_step(ckpt, first_bad, cfg)
         if hasattr(data_iter, "close"):
             data_iter.close()
-        state, data_iter, meta = _restore_step(cfg, ckpt, data, abstract, good[0])
-        for _ in range(done - good[0]):
+        state, data_iter, meta = _restore_step(cfg, ckpt, data, abstract, to)
+        for _ in range(done - to):
             next(data_iter)
-        data_meta.update(skipped_batches=[*meta.get("skipped_batches", []), [good[0] + 1, done]],
-                         rollbacks=meta.get("rollbacks", 0) + 1)
-        return state, data_iter, good[0]
+        data_meta.update(skips_after_rollback(meta, to, done))
+        return state, data_iter, to
 
     guarding = _guarding(cfg, run_dir, writer, rollback)
     evaluator = None
