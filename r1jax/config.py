@@ -291,6 +291,8 @@ class GRPOConfig:
     """GRPO (loss.objective=grpo): each step samples group_size completions for each of
     train.global_batch_size / group_size prompts with the generator on the current weights."""
     task: str = "reverse"              # a generated task of r1jax/data/tasks.py: reverse, arithmetic, countdown
+    task_difficulty: dict[str, Any] = dataclasses.field(default_factory=dict)  # its difficulty keywords, for
+    #   the rollouts' and the eval's prompts alike, e.g. {digits: 6}; {}: the task's defaults
     group_size: int = 8                # G completions per prompt
     max_new_tokens: int = 16
     temperature: float = 1.0
@@ -354,6 +356,8 @@ class DataConfig:
     sft_turns: str = "last"            # loss.objective=sft: train the last assistant turn, or all of them
     task: str = "reverse"              # data.source=task: reverse, arithmetic or countdown
     task_examples: int = 2000          # data.source=task: examples generated (train split, from train.seed)
+    task_difficulty: dict[str, Any] = dataclasses.field(default_factory=dict)  # data.source=task: the task's
+    #   difficulty keywords (r1jax/data/tasks.py), e.g. {digits: [3, 5]}; {}: the task's defaults
 
 
 @dataclasses.dataclass(frozen=True)
@@ -704,6 +708,9 @@ def validate_lora(lo: LoraConfig, m: ModelConfig) -> None:
     _need(lo.rank > 0, f"lora.rank={lo.rank}: must be >= 0 (0: no LoRA)")
     _need(lo.alpha > 0, f"lora.alpha={lo.alpha}: must be > 0")
     _need(0 <= lo.dropout < 1, f"lora.dropout={lo.dropout}: must be in [0, 1)")
+    _need(lo.dropout == 0 or "experts" not in lo.targets,
+          f"lora.dropout={lo.dropout}: not with lora.targets experts (the routed experts' update is merged into "
+          f"their weights, so there is no adapter input to drop; PEFT's target_parameters refuse it too)")
     _need(lo.base_dtype is not DType.fp16, "lora.base_dtype=fp16: must be fp32 or bf16")
     _need(len(lo.targets) > 0, f"lora.targets: at least one of {', '.join(LORA_TARGETS)}")
     for t in lo.targets:
@@ -728,6 +735,9 @@ def validate(cfg: Config) -> None:
     validate_kernels(cfg.kernels)
     validate_infer(cfg.infer)
     validate_lora(cfg.lora, m)
+    _need(not (cfg.lora.rank and cfg.lora.dropout) or cfg.mesh.pipeline == 1,
+          f"lora.dropout={cfg.lora.dropout}: not with mesh.pipeline={cfg.mesh.pipeline} yet (the pipeline's stages do "
+          f"not draw per-layer masks); use lora.dropout=0 or mesh.pipeline=1")
     ls = cfg.loss
     _need(ls.mtp_loss_weight >= 0, f"loss.mtp_loss_weight={ls.mtp_loss_weight}: must be >= 0")
     _need(ls.seq_aux_loss_alpha >= 0, f"loss.seq_aux_loss_alpha={ls.seq_aux_loss_alpha}: must be >= 0")
@@ -778,6 +788,8 @@ def validate(cfg: Config) -> None:
         _need(d.source is not DataSource.task, f"data.source=task: chat records for loss.objective=sft or kd "
                                                f"(not {ls.objective.value})")
     _need(d.task_examples > 0, f"data.task_examples={d.task_examples}: must be positive")
+    _need(not d.task_difficulty or d.source is DataSource.task,
+          f"data.task_difficulty: only used with data.source=task (not {d.source.value})")
     kd = cfg.distill
     if ls.objective is ObjectiveKind.kd:
         _need(kd.teacher is not None and kd.teacher.split(":", 1)[0] in ("hf", "orbax") and ":" in kd.teacher,

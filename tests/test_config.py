@@ -53,6 +53,14 @@ BAD = {
                                     "model.first_k_dense_replace=3"], "grpo.routing_replay=true: the model has no MoE"),
     "resampling without dynamic sampling": (["loss.objective=grpo", "grpo.resample_rounds=2"],
                                             "grpo.resample_rounds=2: replaces the groups dynamic sampling drops"),
+    "task difficulty without a task": (["data.task_difficulty.digits=3"],
+                                       "data.task_difficulty: only used with data.source=task"),
+    "task difficulty the task lacks": (["loss.objective=sft", "data.source=task", "data.task_difficulty.bits=3"],
+                                       "data.task_difficulty={'bits': 3}: reverse: unknown difficulty bits; known: digits"),
+    "grpo difficulty out of range": (["loss.objective=grpo", "grpo.task_difficulty.digits=[5,3]"],
+                                     "grpo.task_difficulty={'digits': [5, 3]}: digits: want an int >= 1 or a range"),
+    "grpo difficulty too small for the eval": (["loss.objective=grpo", "grpo.task_difficulty.digits=1"],
+                                               "eval split has too few distinct problems"),
 }
 
 

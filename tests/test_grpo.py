@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -188,6 +189,20 @@ def test_dynamic_sampling_resamples_groups_without_reward_spread(tmp_path):
             assert rnds[0] == 0 and len(rnds) >= 2 and metrics["resampled_groups"] == 2
             assert not rows_flat.any() and not masked.any()
             assert (batch["advantages"] != 0).any()
+
+
+def test_task_difficulty_sets_the_sft_rollout_and_eval_problems():
+    from r1jax.train import trainer
+    cfg = configlib.load(TINY, ["loss.objective=grpo", "grpo.task_difficulty.digits=[6,7]", "grpo.eval_prompts=40"])
+    assert {len(ex["number"]) for ex in grpo.step_examples(cfg, 3, 0, 64)} == {6, 7}
+    held_out = grpo.eval_examples(cfg)
+    assert len(held_out) == 40 and {len(ex["number"]) for ex in held_out} == {6, 7}
+    assert {len(ex["number"]) for ex in grpo.step_examples(configlib.load(TINY, ["loss.objective=grpo"]), 3, 0, 64)} == {4}
+    sft = configlib.load(TINY, ["loss.objective=sft", "data.source=task", "data.task_difficulty.digits=2",
+                                "data.task_examples=30"])
+    records = trainer._task_records(sft)
+    assert len(records) == 30
+    assert all(re.fullmatch(r"Reverse the digits \d{2}\..*", r["messages"][0]["content"], re.S) for r in records)
 
 
 @pytest.mark.slow

@@ -26,6 +26,7 @@ from r1jax import weights
 from r1jax.checkpoint import params as ckpt
 from r1jax.convert import hf
 from r1jax.convert.__main__ import main as convert_main
+from r1jax.model import layers
 from r1jax.model import lora as loralib
 from r1jax.train import trainer
 from runs import TINY, train_tiny
@@ -156,7 +157,9 @@ def test_config_refuses_bad_lora_keys():
     for bad, says in ((["lora.rank=4", "lora.targets=[q_a_proj,wq_a]"], "'wq_a' is not a target"),
                       (["lora.rank=4", "lora.targets=[q_proj]"], "q_proj exists only with model.q_lora_rank=null"),
                       (["lora.rank=4", "lora.alpha=0"], "lora.alpha=0.0: must be > 0"),
-                      (["lora.rank=-1"], "lora.rank=-1")):
+                      (["lora.rank=-1"], "lora.rank=-1"),
+                      (["lora.rank=4", "lora.dropout=0.1", "lora.targets=[o_proj,experts]"], "not with lora.targets experts"),
+                      (["lora.rank=4", "lora.dropout=0.1", "mesh.pipeline=2", "mesh.data=1"], "not with mesh.pipeline=2")):
         with pytest.raises(configlib.ConfigError, match=says.replace("[", r"\[")):
             configlib.load(TINY, bad)
 
@@ -206,6 +209,76 @@ def test_lora_on_a_3d_mesh_equals_one_device(lora_reference):
     want = modellib.leaves(ref_state["params"])
     for p, v in modellib.leaves(state["params"]).items():
         np.testing.assert_allclose(np.asarray(v), np.asarray(want[p]), atol=1e-5, err_msg="/".join(map(str, p)))
+
+
+def test_dropout_drops_the_adapter_input_and_is_unbiased():
+    """PEFT's lora_dropout: y = x W + scale * (drop(x) a) b, where drop zeroes each entry at rate p
+    and scales the rest by 1 / (1 - p), one mask per module; the base projection sees x whole;
+    no dropout outside a train step's context."""
+    lo = configlib.LoraConfig(rank=4, alpha=8.0, targets=["mlp"], dropout=0.3)
+    mlp = layers.MLP(16, 32, 0.1, jnp.float32, lo, "mlp", rngs=weights.rngs(0))
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 8, 16)), jnp.float32)
+    key = jax.random.key(5)
+    with loralib.dropout(key, 0.3):
+        kept = loralib.drop_input(jnp.ones((200, 100)), "gate_proj")
+        fresh = mlp(x)                                          # b = 0: the adapters add nothing, dropped or not
+    np.testing.assert_allclose(np.unique(np.asarray(kept)), [0.0, 1 / 0.7], rtol=1e-6)
+    assert abs(float((kept == 0).mean()) - 0.3) < 0.01                      # 20,000 draws: std 0.0032
+    np.testing.assert_array_equal(np.asarray(fresh), np.asarray(mlp(x)))
+    mean = np.mean([np.asarray(_drop_with(jax.random.key(k), x)) for k in range(2000)], 0)
+    np.testing.assert_allclose(mean, np.asarray(x), atol=6 * float(np.abs(x).max()) * (0.3 / 0.7 / 2000) ** 0.5)
+
+    rng = np.random.default_rng(1)
+    for adapter in mlp.lora.values():
+        for w in adapter.b.values():
+            w[...] = jnp.asarray(rng.normal(size=w.shape) * 0.5, jnp.float32)
+    gate = mlp.lora["gate_proj"]
+    with loralib.dropout(key, 0.3):
+        got = loralib.project(mlp, x, "gate_DF", layers.dense, layers.cast, target="gate_proj")
+        dropped = loralib.drop_input(x, "gate_proj")
+        again = mlp(x)
+        with loralib.dropout(None, 0.3):
+            clean = mlp(x)
+    want = x @ mlp.gate_DF[...] + lo.scale * (dropped @ gate.a[...]) @ gate.b["gate_DF"][...]
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    with loralib.dropout(key, 0.3):
+        np.testing.assert_array_equal(np.asarray(mlp(x)), np.asarray(again))    # the same key, the same masks
+    with loralib.dropout(jax.random.key(6), 0.3):
+        assert np.abs(np.asarray(mlp(x)) - np.asarray(again)).max() > 1e-2
+    assert np.abs(np.asarray(again) - np.asarray(clean)).max() > 1e-2
+    np.testing.assert_array_equal(np.asarray(clean), np.asarray(mlp(x)))
+
+
+def _drop_with(key, x):
+    with loralib.dropout(key, 0.3):
+        return loralib.drop_input(x, "up_proj")
+
+
+LORA_DROPOUT = ["lora.rank=4", "lora.targets=[q_a_proj,q_b_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj,mlp,shared_experts]",
+                "optim.eps=1e-6", "optim.bias_update_rate=0"]
+
+
+@pytest.mark.slow
+def test_dropout_trains_reproducibly_and_equals_one_device_on_a_3d_mesh():
+    """lora.dropout=0.2: the masks come from train.seed and the step, so two runs agree exactly and
+    8 fake devices on (data 2, fsdp 2, tensor 2) give 1 device's steps; the run differs from one
+    without dropout once the adapters are non-zero (after step 1)."""
+    cfg = configlib.load(TINY, LORA_DROPOUT)
+    model = weights.create(cfg.model, seed=cfg.train.seed, lora=cfg.lora)
+    runs = {}
+    for name, extra, devs in (("off", ["lora.dropout=0", "mesh.data=1"], 1), ("one", ["lora.dropout=0.2", "mesh.data=1"], 1),
+                              ("again", ["lora.dropout=0.2", "mesh.data=1"], 1),
+                              ("3d", ["lora.dropout=0.2", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"], 8)):
+        _, _, state, _, losses = train_tiny(LORA_DROPOUT + extra, jax.devices()[:devs], 3, model)
+        runs[name] = (losses, modellib.leaves(state["params"]))
+    assert runs["one"][0][0] == runs["off"][0][0]          # step 0: b = 0, dropout changes no output
+    assert abs(runs["one"][0][2] - runs["off"][0][2]) > 1e-6
+    assert runs["again"][0] == runs["one"][0]
+    for p, v in runs["one"][1].items():
+        np.testing.assert_array_equal(np.asarray(runs["again"][1][p]), np.asarray(v))
+    np.testing.assert_allclose(runs["3d"][0], runs["one"][0], rtol=1e-5)
+    for p, v in runs["3d"][1].items():
+        np.testing.assert_allclose(np.asarray(v), np.asarray(runs["one"][1][p]), atol=1e-5, err_msg="/".join(map(str, p)))
 
 
 # DeepSeek's template keeps only what follows </think> in an assistant turn (written here from

@@ -15,6 +15,14 @@ W gets no weight-gradient matmul at all (XLA drops it: ../shared/notes/posttrain
 weights feed the dispatch kernels whole, so each expert's W + scale * a_e b_e is formed per
 layer (`merged`), one weight-sized temporary, the size of the compute-dtype cast made anyway.
 
+Dropout (`lora.dropout`, training only) is PEFT's: on the adapter's input, y = x W + scale *
+(drop(x) a) b[W], one mask per HF module (the fused modules' two r1jax weights share it, as PEFT's
+one lora_A sees one dropped input). The train step opens `dropout(key, rate)` around its forward
+and each scanned stack hands every layer its own key (`layer_keys`), so masks differ by step,
+microbatch, stack, layer and module, and do not depend on the mesh (threefry is partitionable).
+Routed experts have none: their update is merged into the weights (PEFT's target_parameters
+refuse dropout for the same reason).
+
 Parameters are `nnx.LoRAParam`s: the train state's split (r1jax/train/state.py) makes them the
 only trainable leaves. `a` starts uniform in +-1/sqrt(fan_in) (PEFT's default) and `b` at zero,
 so a fresh adapter leaves the model unchanged. The leaves live under the module that owns the
@@ -23,8 +31,11 @@ scanned stacks' `nnx.vmap`, they get the `layers` axis like every other leaf.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
-from typing import Callable, Mapping, Sequence
+import zlib
+from typing import Callable, Iterator, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +45,45 @@ from r1jax.config import LoraConfig
 from r1jax.logical import variable
 
 RANK = "lora_rank"          # the adapters' rank dimension: never sharded
+
+# (key, rate) while a train step traces its forward; None: no dropout (eval, generation, export)
+_DROPOUT: contextvars.ContextVar[tuple[jax.Array, float] | None] = contextvars.ContextVar("lora_dropout", default=None)
+
+
+@contextlib.contextmanager
+def dropout(key: jax.Array | None, rate: float) -> Iterator[None]:
+    """Adapter-input dropout at `rate` for the forwards traced inside (no-op for key None or rate 0)."""
+    token = _DROPOUT.set(None if key is None or rate == 0 else (key, rate))
+    try:
+        yield
+    finally:
+        _DROPOUT.reset(token)
+
+
+def layer_keys(n: int, stack: int) -> jax.Array | None:
+    """n per-layer dropout keys for stack number `stack` (scanned as xs), or None without dropout."""
+    ctx = _DROPOUT.get()
+    return None if ctx is None else jax.random.split(jax.random.fold_in(ctx[0], stack), n)
+
+
+@contextlib.contextmanager
+def layer_key(key: jax.Array | None) -> Iterator[None]:
+    """Inside a scanned layer: its own key from `layer_keys` (None: leave the context as it is)."""
+    if key is None:
+        yield
+        return
+    with dropout(key, _DROPOUT.get()[1]):
+        yield
+
+
+def drop_input(x, target: str):
+    """x as adapter `target` sees it: dropped with the context's key and rate (x itself outside one)."""
+    ctx = _DROPOUT.get()
+    if ctx is None:
+        return x
+    key, rate = ctx
+    keep = jax.random.bernoulli(jax.random.fold_in(key, zlib.crc32(target.encode()) & 0x7FFFFFFF), 1.0 - rate, x.shape)
+    return jnp.where(keep, x / jnp.asarray(1.0 - rate, x.dtype), jnp.zeros((), x.dtype))
 
 
 class Adapter(nnx.Module):
@@ -101,7 +151,7 @@ def project(module, x, weight: str, dense: Callable, cast: Callable, n_in: int =
     y = dense(x, cast(w, module.dtype), n_in)
     lora = getattr(module, "lora", None)
     if lora is not None and target in lora:
-        y = y + lora[target].delta(x, weight, dense, module.dtype, n_in)
+        y = y + lora[target].delta(drop_input(x, target), weight, dense, module.dtype, n_in)
     return y
 
 

@@ -22,6 +22,7 @@ from flax import nnx
 
 from r1jax.config import KernelConfig, LoraConfig, ModelConfig, Remat
 from r1jax.logical import constrain
+from r1jax.model import lora as loralib
 from r1jax.model import rope
 from r1jax.model.layers import F32, MLP, dense, Embed, RMSNorm, cast, normal_param
 from r1jax.model.kv import KV, LayerKV
@@ -87,20 +88,22 @@ def _checkpointed(fn, remat: Remat):
     return jax.checkpoint(fn, policy=policy, prevent_cse=False)
 
 
-def scan_blocks(graphdef, state, x, cos, sin, segment_ids, remat: Remat, valid=None, replay=None):
+def scan_blocks(graphdef, state, x, cos, sin, segment_ids, remat: Remat, valid=None, replay=None, keys=None):
     """Blocks with stacked parameters `state` [n, ...] applied in order under `lax.scan`.
 
     `valid` [n] bool marks real layers; a padding slot (False) passes its input through and
     reports zero load, drops and balance loss, so its (zero) parameters get exactly zero gradient.
-    `replay` [n, B, T, k]: each layer's expert ids to replay (`moe.route`)."""
+    `replay` [n, B, T, k]: each layer's expert ids to replay (`moe.route`). `keys` [n]: each
+    layer's LoRA dropout key (`lora.layer_keys`)."""
     def body(carry, xs):
-        layer_state, ok, rep = xs
-        y, aux = nnx.merge(graphdef, layer_state)(carry, cos, sin, segment_ids, replay=rep)
+        layer_state, ok, rep, key = xs
+        with loralib.layer_key(key):
+            y, aux = nnx.merge(graphdef, layer_state)(carry, cos, sin, segment_ids, replay=rep)
         if ok is None:
             return y, aux
         return jnp.where(ok, y, carry), jax.tree.map(lambda a: jnp.where(ok, a, jnp.zeros_like(a)), aux)
 
-    return jax.lax.scan(_checkpointed(body, remat), x, (state, valid, replay))
+    return jax.lax.scan(_checkpointed(body, remat), x, (state, valid, replay, keys))
 
 
 def scan_blocks_kv(graphdef, state, x, cos, sin, segment_ids, kv: KV, name: str):
@@ -133,8 +136,9 @@ class Stack(nnx.Module):
         self.layers = make(rngs)
 
     def __call__(self, x, cos, sin, segment_ids, remat: Remat, kv: KV | None = None, name: str = "",
-                 layers: list[nnx.State] | None = None, replay=None):
+                 layers: list[nnx.State] | None = None, replay=None, stack: int = 0):
         """(x, aux); with the decode cache `kv`, (x, aux, kv) with stack `name`'s entries written.
+        `stack` numbers the model's stacks for LoRA dropout's keys (`lora.layer_keys`).
 
         `layers` (decode): the stack's parameters as one state per layer, run unrolled, each
         layer's cache its own buffer. On CPU a scanned decode step copies every layer's weights
@@ -142,7 +146,8 @@ class Stack(nnx.Module):
         static slices of the stack are slower still), and decode reads every weight once."""
         graphdef, state = nnx.split(self.layers)
         if kv is None:
-            return scan_blocks(graphdef, state, x, cos, sin, segment_ids, remat, replay=replay)
+            keys = loralib.layer_keys(jax.tree.leaves(state)[0].shape[0], stack)
+            return scan_blocks(graphdef, state, x, cos, sin, segment_ids, remat, replay=replay, keys=keys)
         if layers is None:
             return scan_blocks_kv(graphdef, state, x, cos, sin, segment_ids, kv, name)
         auxes = []
@@ -256,7 +261,7 @@ class Transformer(nnx.Module):
         if self.moe_layers is not None:
             cos, sin = rope.cos_sin(self.cfg, positions, self.dtype)
             replay = None if routing is None else jnp.moveaxis(routing, 2, 0)
-            x, aux = self.moe_layers(x, cos, sin, segment_ids, self.remat, replay=replay)
+            x, aux = self.moe_layers(x, cos, sin, segment_ids, self.remat, replay=replay, stack=1)
         out = self.epilogue(x, input_ids, positions, segment_ids, mtp=mtp)
         return Output(out.logits, out.mtp_logits, {**aux, **out.aux})
 

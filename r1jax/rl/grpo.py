@@ -102,7 +102,14 @@ class Prompts:
 
 def step_examples(cfg: Config, step: int, rnd: int, n: int) -> list[dict]:
     """The n task problems GRPO poses at `step` (round `rnd` > 0: DAPO's resampling draws)."""
-    return tasks.generate(cfg.grpo.task, n, seed=_seed(cfg.train.seed, "grpo", step, *((rnd,) if rnd else ())))
+    return tasks.generate(cfg.grpo.task, n, seed=_seed(cfg.train.seed, "grpo", step, *((rnd,) if rnd else ())),
+                          **cfg.grpo.task_difficulty)
+
+
+def eval_examples(cfg: Config) -> list[dict]:
+    """The held-out problems RewardEval scores: grpo.eval_prompts of the eval split."""
+    g = cfg.grpo
+    return tasks.generate(g.task, g.eval_prompts, seed=_seed(cfg.train.seed, "eval"), split="eval", **g.task_difficulty)
 
 
 class Rollouts(grain.DatasetIterator):
@@ -219,7 +226,7 @@ class RewardEval:
     def __init__(self, cfg: Config, prompts: Prompts, gen: Generator, writer: MetricsWriter):
         g = cfg.grpo
         self.cfg, self.prompts, self.gen, self.writer = cfg, prompts, gen, writer
-        self.examples = tasks.generate(g.task, g.eval_prompts, seed=_seed(cfg.train.seed, "eval"), split="eval")
+        self.examples = eval_examples(cfg)
         self.ids = prompts.encode(self.examples)
         self.reward = rewardlib.combine({g.eval_reward: 1.0}, {**rewardlib.REWARDS, **tasks.TASK_REWARDS})
 
@@ -307,6 +314,10 @@ def train(cfg: Config, run_dir: str | Path, devices: list | None = None) -> dict
                           "between processes); use the devices of one host")
     if cfg.grpo.task not in tasks.TASKS:
         raise ConfigError(f"grpo.task={cfg.grpo.task}: unknown; allowed: {', '.join(tasks.TASKS)}")
+    try:                                      # the eval set too: a small difficulty may hold too few problems
+        tasks.generate(cfg.grpo.task, cfg.grpo.eval_prompts, seed=0, split="eval", **cfg.grpo.task_difficulty)
+    except ValueError as e:
+        raise ConfigError(f"grpo.task_difficulty={dict(cfg.grpo.task_difficulty)}: {e}") from None
     known = {**rewardlib.REWARDS, **tasks.TASK_REWARDS}
     for name in (*cfg.grpo.rewards, cfg.grpo.eval_reward):
         if name not in known:
@@ -322,7 +333,7 @@ def train(cfg: Config, run_dir: str | Path, devices: list | None = None) -> dict
     if jax.process_index() == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(configlib.dump_yaml(cfg))
-    sample = tasks.generate(cfg.grpo.task, 256, seed=0)
+    sample = tasks.generate(cfg.grpo.task, 256, seed=0, **cfg.grpo.task_difficulty)
     texts = [ex["prompt"] + " " + tasks.solution(ex) for ex in sample]
     tok, template = trainer.chat_tokenizer(cfg, run_dir, texts)
     prompts = Prompts(cfg.grpo.task, tok, template)

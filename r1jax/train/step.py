@@ -35,6 +35,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from r1jax import weights
+from r1jax.model import lora as loralib
 from r1jax.config import Config, DType, Schedule
 from r1jax.parallel import mesh as meshlib
 from r1jax.parallel import pipeline
@@ -46,13 +47,23 @@ State = dict[str, Any]
 AUX = ("load", "dropped", "balance", "mtp_load", "mtp_dropped", "mtp_balance")   # summed over rows
 
 
-def forward(model, batch: dict, cfg: Config, layout: pipeline.Layout | None, mtp: bool):
+def forward(model, batch: dict, cfg: Config, layout: pipeline.Layout | None, mtp: bool, dropout_key=None):
     """The model's output on `batch`, through the run's pipeline when it has one (GPipe or
     circular; 1F1B interleaves the backward and is the step's own). A batch with "routing" (GRPO's
-    Rollout Routing Replay) replays those expert choices."""
-    if layout is None:
-        return model(batch["ids"], batch["positions"], batch["segment_ids"], mtp=mtp, routing=batch.get("routing"))
-    return pipeline.forward(model, batch, layout=layout, microbatches=cfg.train.microbatches, mtp=mtp)
+    Rollout Routing Replay) replays those expert choices. `dropout_key`: training's LoRA dropout
+    (lora.dropout) draws from it; None: none (eval)."""
+    with loralib.dropout(dropout_key, cfg.lora.dropout if cfg.lora.rank else 0.0):
+        if layout is None:
+            return model(batch["ids"], batch["positions"], batch["segment_ids"], mtp=mtp, routing=batch.get("routing"))
+        return pipeline.forward(model, batch, layout=layout, microbatches=cfg.train.microbatches, mtp=mtp)
+
+
+def dropout_key(cfg: Config, step: jax.Array) -> jax.Array | None:
+    """The step's LoRA dropout key (a function of train.seed and the step, so a resumed run
+    draws the masks the uninterrupted one would), or None when the run has no dropout."""
+    if not (cfg.lora.rank and cfg.lora.dropout):
+        return None
+    return jax.random.fold_in(jax.random.fold_in(jax.random.key(cfg.train.seed), 0x10DA), step)
 
 
 def head_loss(out, batch: dict, objective: Objective, tokens, rows: int):
@@ -102,13 +113,13 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, cfg: Config, mes
     layout = pipeline.mesh_layout(cfg, mesh)
     lr_schedule = optim.schedule(cfg.optim, t.steps)
 
-    def micro_loss(params, rest, mb, tokens, scale, *, rows):
-        out = forward(nnx.merge(graphdef, params, rest), mb, cfg, layout, objective.mtp)
+    def micro_loss(params, rest, mb, tokens, scale, key, *, rows):
+        out = forward(nnx.merge(graphdef, params, rest), mb, cfg, layout, objective.mtp, key)
         loss, stats = head_loss(out, mb, objective, tokens, rows)
         return loss * scale, stats
 
     if layout is not None and cfg.pipeline.schedule is Schedule.onefoneb:
-        def grad_fn(params, rest, mb, tokens, scale, *, rows):
+        def grad_fn(params, rest, mb, tokens, scale, key, *, rows):           # key: None (refused with dropout)
             def piece_loss(model, y, piece):
                 out = model.epilogue(y, piece["ids"], piece["positions"], piece["segment_ids"], mtp=objective.mtp)
                 return head_loss(out, piece, objective, tokens, rows)
@@ -121,23 +132,26 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, cfg: Config, mes
         scale = state["loss_scale"]["scale"]
         rows = batch["ids"].shape[0]
         tokens, grads_of = jnp.maximum(objective.tokens(batch), 1.0), functools.partial(grad_fn, rows=rows)
+        key = dropout_key(cfg, state["step"])
         # ZeRO-1: the masters gathered to the model's sharding once, for every microbatch
         model_params = jax.lax.with_sharding_constraint(state["params"], msh) if gather else state["params"]
         if accum == 1:
-            (loss, stats), grads = grads_of(model_params, state["rest"], batch, tokens, scale)
+            (loss, stats), grads = grads_of(model_params, state["rest"], batch, tokens, scale, key)
         else:
             # microbatch a = rows a, a+A, ...: every device keeps the rows it already holds
             micro = jax.tree.map(lambda x: x.reshape(-1, accum, *x.shape[1:]).swapaxes(0, 1), batch)
 
-            def body(carry, mb):
-                out, g = grads_of(model_params, state["rest"], mb, tokens, scale)
+            def body(carry, xs):
+                mb, a = xs                                  # a: the microbatch's number (its dropout masks)
+                out, g = grads_of(model_params, state["rest"], mb, tokens, scale,
+                                  None if key is None else jax.random.fold_in(key, a))
                 g = jax.lax.with_sharding_constraint(g, msh)
                 return jax.tree.map(jnp.add, carry, (out, g)), None
 
             first = jax.tree.map(lambda x: x[0], micro)
             zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(
-                grads_of, model_params, state["rest"], first, tokens, scale))
-            ((loss, stats), grads), _ = jax.lax.scan(body, zeros, micro)
+                grads_of, model_params, state["rest"], first, tokens, scale, key))
+            ((loss, stats), grads), _ = jax.lax.scan(body, zeros, (micro, jnp.arange(accum)))
         grads = jax.lax.with_sharding_constraint(jax.tree.map(lambda g: g / scale, grads), msh)
         if gather:                                         # ZeRO-1: reduce-scattered to the masters' shards
             grads = jax.lax.with_sharding_constraint(grads, zsh)

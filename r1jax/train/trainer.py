@@ -192,17 +192,26 @@ def _lm_data(cfg: Config, run_dir: Path) -> Data:
     return Data(tok, split.train, split.eval, batches, LM_KEYS)
 
 
-def _sft_data(cfg: Config, run_dir: Path) -> Data:
-    """SFT: chat records (data/sft.py), whole examples packed per row, the loss on the assistant's
-    tokens. The chat template is the tokenizer directory's own when it has one, else R1's."""
+def _task_records(cfg: Config) -> list[dict]:
+    """data.source=task: the generated task's worked solutions as chat records (R1's cold start, in
+    miniature); refused in one line before the run directory is touched."""
+    d = cfg.data
+    if d.task not in tasks.TASKS:
+        raise ConfigError(f"data.task={d.task}: unknown; allowed: {', '.join(tasks.TASKS)}")
+    try:
+        drawn = tasks.generate(d.task, d.task_examples, seed=cfg.train.seed, **d.task_difficulty)
+    except ValueError as e:
+        raise ConfigError(f"data.task_difficulty={dict(d.task_difficulty)}: {e}") from None
+    return [{"messages": [{"role": "user", "content": ex["prompt"]},
+                          {"role": "assistant", "content": tasks.solution(ex)}]} for ex in drawn]
+
+
+def _sft_data(cfg: Config, run_dir: Path, examples: list[dict] | None) -> Data:
+    """SFT: chat records (data/sft.py; `examples`: a task's, from `_task_records`), whole examples
+    packed per row, the loss on the assistant's tokens. The chat template is the tokenizer
+    directory's own when it has one, else R1's."""
     d, t = cfg.data, cfg.train
-    if d.source is DataSource.task:           # a generated task's worked solutions (R1's cold start, in miniature)
-        if d.task not in tasks.TASKS:
-            raise ConfigError(f"data.task={d.task}: unknown; allowed: {', '.join(tasks.TASKS)}")
-        examples = [{"messages": [{"role": "user", "content": ex["prompt"]},
-                                  {"role": "assistant", "content": tasks.solution(ex)}]}
-                    for ex in tasks.generate(d.task, d.task_examples, seed=t.seed)]
-    else:
+    if examples is None:
         examples = sft.read(d.paths)
     texts = [" ".join(m["content"] for m in ex["messages"]) for ex in examples]
     tok, template = chat_tokenizer(cfg, run_dir, texts)
@@ -362,7 +371,8 @@ def trainable_line(cfg: Config, state: dict) -> str:
     base = sum(int(np.prod(v.get_value().shape)) for _, v in nnx.to_flat_state(state["rest"])
                if isinstance(v, nnx.Param))
     lo = cfg.lora
-    return (f"trainable: LoRA rank {lo.rank} (alpha {lo.alpha:g}{', rsLoRA' if lo.rslora else ''}) on "
+    extra = (", rsLoRA" if lo.rslora else "") + (f", dropout {lo.dropout:g}" if lo.dropout else "")
+    return (f"trainable: LoRA rank {lo.rank} (alpha {lo.alpha:g}{extra}) on "
             f"{', '.join(lo.targets)}: {n_train:,} parameters, {100 * n_train / (n_train + base):.4f}% of "
             f"{(n_train + base) / 1e6:.1f}M; the base is frozen in {lo.base_dtype.value}")
 
@@ -380,6 +390,7 @@ def train(cfg: Config, run_dir: str | Path) -> dict[str, float]:
     if missing:
         raise ConfigError(f"loss.objective={cfg.loss.objective.value}: needs batches with {missing[0]}, which "
                           f"data.source={cfg.data.source.value} does not provide; use loss.objective=lm")
+    task_records = _task_records(cfg) if sft_run and cfg.data.source is DataSource.task else None
     mesh = meshlib.make_mesh(cfg.mesh, devices)
     t, d, m = cfg.train, cfg.data, cfg.model
     layout = pipeline.mesh_layout(cfg, mesh)
@@ -398,7 +409,7 @@ def train(cfg: Config, run_dir: str | Path) -> dict[str, float]:
     if jax.process_index() == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(configlib.dump_yaml(cfg))
-    data = _sft_data(cfg, run_dir) if sft_run else _lm_data(cfg, run_dir)
+    data = _sft_data(cfg, run_dir, task_records) if sft_run else _lm_data(cfg, run_dir)
     across = meshlib.spans(mesh)
     log_line(f"mesh {dict(mesh.shape)}" + (f"; across processes: {', '.join(f'{a} {n}' for a, n in across.items())}"
                                           if across else ""))
