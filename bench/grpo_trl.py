@@ -56,7 +56,7 @@ def prepare(work: Path, steps: int, rounds: int, sft_steps: int) -> None:
     py = sys.executable
     run = lambda *a: subprocess.run([py, *a], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
     run("-m", "r1jax.train", "--config", "configs/r1_sft.yaml", "--run-dir", str(work / "sft"), *TINY,
-        f"train.steps={sft_steps}", "train.eval_every=0", f"checkpoint.every={sft_steps}")
+        f"train.steps={sft_steps}", "train.eval_every=0", "train.stop_at_eval_loss=0", f"checkpoint.every={sft_steps}")
     run("-m", "r1jax.convert", "orbax-to-hf", str(work / "sft" / "checkpoints"), str(work / "sft_hf"))
     run(__file__, "--side", "prepare", "--work", str(work), "--steps", str(steps * rounds))
 

@@ -388,6 +388,8 @@ class TrainConfig:
     loss_scale_init: float = 65536.0   # fp16 only: dynamic loss scaling as torch's GradScaler
     loss_scale_growth_interval: int = 2000
     stop_at: int = 0                   # stop (with a checkpoint) after this step; 0: run to train.steps
+    stop_at_eval_loss: float = 0.0     # the run is done at the first eval (train.eval_every) whose held-out loss
+    #   is at or below this: a model trained to a quality rather than a step count (R1's cold start); 0: off
     microbatches: int = 1              # pipeline microbatches per (grad_accum) microbatch; mesh.pipeline > 1 only
     seed: int = 0
     # bad steps (r1jax/train/guard.py): a non-finite loss or gradient skips the update in the step
@@ -840,6 +842,12 @@ def validate(cfg: Config) -> None:
     _need(t.eval_every >= 0, f"train.eval_every={t.eval_every}: must be >= 0 (0: only at the end)")
     _need(t.eval_batches >= 0, f"train.eval_batches={t.eval_batches}: must be >= 0")
     _need(t.stop_at >= 0, f"train.stop_at={t.stop_at}: must be >= 0 (0: run to train.steps)")
+    _need(t.stop_at_eval_loss >= 0, f"train.stop_at_eval_loss={t.stop_at_eval_loss}: must be >= 0 (0: off)")
+    _need(not t.stop_at_eval_loss or (t.eval_every > 0 and t.eval_batches > 0),
+          f"train.stop_at_eval_loss={t.stop_at_eval_loss}: needs evals during the run (train.eval_every > 0 and "
+          f"train.eval_batches > 0)")
+    _need(not t.stop_at_eval_loss or ls.objective is not ObjectiveKind.grpo,
+          f"train.stop_at_eval_loss: GRPO's evals score rewards, not a loss (loss.objective=grpo)")
     _need(t.grad_accum >= 1, f"train.grad_accum={t.grad_accum}: must be a positive integer")
     _need(t.loss_scale_init > 0, f"train.loss_scale_init={t.loss_scale_init}: must be > 0")
     _need(t.loss_scale_growth_interval >= 1,

@@ -344,7 +344,7 @@ def test_the_recipe_configs_run_as_their_first_lines_say(tmp_path):
     root = TINY.parents[1]
     sft = tmp_path / "sft"
     trainer.train(configlib.load(root / "configs" / "r1_sft.yaml", ["train.steps=2", "train.eval_every=0",
-                                                                     "data.task_examples=64"]), sft)
+                                                                     "train.stop_at_eval_loss=0", "data.task_examples=64"]), sft)
     rl = tmp_path / "grpo"
     grpo.train(configlib.load(root / "configs" / "r1_grpo.yaml", [f"model.init_from=orbax:{sft / 'checkpoints'}",
                                                                    "train.steps=2", "train.global_batch_size=16",

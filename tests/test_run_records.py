@@ -324,3 +324,24 @@ def test_records_survive_a_line_cut_short_and_name_each_steps_last(tmp_path):
     assert records[-2:] == [{"step": 6, "loss": 31.0, "lm_loss": 30.0}, {"step": 6, "split": "eval", "loss": 4.2}]
     assert [e["event"] for e in events] == ["spike", "rollback", "alert"]
     assert [r["step"] for r in metricslib.per_step(records)] == [1, 2, 3, 4, 5, 6]
+
+
+def test_stop_at_eval_loss_ends_the_run_done_and_a_lower_target_trains_on(tmp_path):
+    """train.stop_at_eval_loss: the first eval at or below it ends the run with a checkpoint and a
+    final.json that says so (with that eval's loss); started again it is complete; with a target
+    it has not met it resumes, here to train.steps."""
+    from r1jax.train import trainer
+    run = tmp_path / "run"
+    base = ["loss.objective=sft", "data.source=task", "data.task_examples=400", "data.eval_fraction=0.1",
+            "train.steps=10", "train.eval_every=5", "train.eval_batches=1", "checkpoint.every=100"]
+    final = trainer.train(configlib.load(TINY, [*base, "train.stop_at_eval_loss=100"]), run)
+    rec = json.loads((run / "final.json").read_text())
+    evals = [json.loads(line) for line in open(run / "metrics.jsonl") if '"eval"' in line]
+    assert rec["step"] == 5 and rec["stopped"] == "train.stop_at_eval_loss"
+    assert [e["step"] for e in evals] == [5] and rec["eval_loss"] == evals[0]["loss"] == final["eval_loss"]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == ["5"]
+    again = trainer.train(configlib.load(TINY, [*base, "train.stop_at_eval_loss=100"]), run)
+    assert again["already_complete"] and json.loads((run / "final.json").read_text()) == rec
+    lower = trainer.train(configlib.load(TINY, [*base, f"train.stop_at_eval_loss={rec['eval_loss'] / 100}"]), run)
+    rec = json.loads((run / "final.json").read_text())
+    assert rec["step"] == 10 and rec["stopped"] is None and "eval_loss" in lower

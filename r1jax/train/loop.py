@@ -119,7 +119,7 @@ class RunFailed(RuntimeError):
 class Result:
     state: Any
     compile_s: float | None
-    stopped: str | None        # None, "SIGTERM", "SIGUSR1" or "train.stop_at"
+    stopped: str | None        # None, "SIGTERM", "SIGUSR1", "train.stop_at" or "train.stop_at_eval_loss"
     batches: Iterator[dict]    # the data iterator the state goes with (a rollback replaces it)
     saveable: bool             # the last step was good: the state may be checkpointed
 
@@ -140,8 +140,10 @@ class Guarding:
 def run(step_fn: Callable, state, batches: Iterator[dict], *, place: Callable[[dict], Any], start: int, end: int,
         total: int, log_every: int, writer: MetricsWriter, checkpointer, save_meta: dict,
         evaluator: Evaluator | None, eval_every: int, tokens_per_step: int, flops_per_token: float,
-        peak_flops: float, block_each_step: bool = False, guarding: Guarding | None = None) -> Result:
-    """Steps start+1 .. end (of `total`); see the module docstring.
+        peak_flops: float, block_each_step: bool = False, guarding: Guarding | None = None,
+        target_loss: float = 0.0) -> Result:
+    """Steps start+1 .. end (of `total`); see the module docstring. With `target_loss`, the loop
+    also ends (stopped "train.stop_at_eval_loss") after the first eval whose loss is at or below it.
 
     Per-step metrics are fetched (and judged by the guard) only at log and checkpoint steps and at
     the end: a checkpoint is written only when every step before it was judged and the last was
@@ -223,12 +225,14 @@ def run(step_fn: Callable, state, batches: Iterator[dict], *, place: Callable[[d
                 if g.watchdog is not None and steps:
                     g.watchdog.step_time(vals["step_time"])
             paused = time.time()
+            reached = False
             if evaluator is not None and eval_every and done % eval_every == 0 and done < total:
                 ev = evaluator(state, done)
                 if g.exporter is not None and ev:
                     g.exporter.eval(done, ev)
-            if asked or (done == end < total):
-                stopped = asked or "train.stop_at"
+                reached = bool(target_loss and ev and ev["loss"] <= target_loss)
+            if asked or (done == end < total) or reached:
+                stopped = asked or ("train.stop_at_eval_loss" if reached else "train.stop_at")
                 break
             if save_now:
                 if saveable:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
@@ -377,6 +378,14 @@ def trainable_line(cfg: Config, state: dict) -> str:
             f"{(n_train + base) / 1e6:.1f}M; the base is frozen in {lo.base_dtype.value}")
 
 
+def _reached_target(finished: Path, step: int, target: float) -> bool:
+    """Whether final.json records a run that ended at `step` on train.stop_at_eval_loss with a
+    held-out loss that meets `target` (a lower target trains on)."""
+    rec = json.loads(finished.read_text())
+    return (bool(target) and rec.get("stopped") == "train.stop_at_eval_loss" and rec.get("step") == step
+            and rec.get("eval_loss", math.inf) <= target)
+
+
 # --------------------------------------------------------------------------------- run
 def train(cfg: Config, run_dir: str | Path) -> dict[str, float]:
     """Train per `cfg` in `run_dir`, resuming from its latest checkpoint. Returns final metrics."""
@@ -401,9 +410,10 @@ def train(cfg: Config, run_dir: str | Path) -> dict[str, float]:
     if resume is not None:
         ckpt.check_model()          # before anything in the run directory is written
         finished = run_dir / "final.json"
-        if resume >= t.steps and finished.is_file():
+        reached = finished.is_file() and _reached_target(finished, resume, t.stop_at_eval_loss)
+        if finished.is_file() and (resume >= t.steps or reached):
             log_line(f"{run_dir} is already complete: step {resume} of train.steps={t.steps} ({finished}); nothing "
-                     f"to do (to train on, raise train.steps)")
+                     f"to do (to train on, {'lower train.stop_at_eval_loss' if reached else 'raise train.steps'})")
             ckpt.close()
             return {**json.loads(finished.read_text()), "already_complete": True}
     if jax.process_index() == 0:
@@ -489,7 +499,7 @@ def train(cfg: Config, run_dir: str | Path) -> dict[str, float]:
                           evaluator=evaluator, eval_every=t.eval_every, tokens_per_step=t.global_batch_size * d.seq_len,
                           flops_per_token=mfu.flops_per_token(m, d.seq_len), peak_flops=peak,
                           block_each_step=len(devices) > 1 and devices[0].platform == "cpu",   # CPU collective starvation
-                          guarding=guarding)
+                          guarding=guarding, target_loss=t.stop_at_eval_loss)
     except BaseException:
         _close_guarding(guarding)
         writer.close()
@@ -498,8 +508,11 @@ def train(cfg: Config, run_dir: str | Path) -> dict[str, float]:
 
     final = {k: v for k, v in writer.last("train").items() if k != "step"}
     done = int(state["step"])
+    reached = stopped == "train.stop_at_eval_loss"          # done: the run trained to its quality
     if stopped is None and evaluator is not None:
         final.update({f"eval_{k}": v for k, v in evaluator(state, done).items()})
+    elif reached:
+        final.update({f"eval_{k}": v for k, v in writer.last("eval").items() if k not in ("step", "split")})
     if ckpt.latest_step() != done and result.saveable:
         ckpt.save(state, data_iter, meta=data_meta, force=True)
     elif not result.saveable:
@@ -513,7 +526,10 @@ def train(cfg: Config, run_dir: str | Path) -> dict[str, float]:
     final.update(compile_s=result.compile_s, mfu_peak_flops=peak, mfu_peak=peak_how, stopped=stopped)
     if jax.process_index() == 0:
         (run_dir / "final.json").write_text(json.dumps({"step": done, **final}, indent=2))
-    if stopped:
+    if reached:
+        log_line(f"done at step {done}: held-out loss {final['eval_loss']:.4f} <= train.stop_at_eval_loss="
+                 f"{t.stop_at_eval_loss:g}; checkpoint saved")
+    elif stopped:
         log_line(f"preempted at step {done} ({stopped}); checkpoint saved" if stopped != "train.stop_at"
                  else f"stopped at step {done} (train.stop_at); checkpoint saved")
     return final
