@@ -359,9 +359,12 @@ def train(cfg: Config, run_dir: str | Path, devices: list | None = None) -> dict
     step_fn = make_train_step(graphdef, tx, cfg, mesh, shardings, objective)
     ckpt.write_model_config()
 
-    gen = Generator(dataclasses.replace(m, num_nextn_predict_layers=0), policy_state(state, cfg),
-                    dataclasses.replace(cfg.infer, batch_size=t.global_batch_size), mesh=mesh, kernels=cfg.kernels,
-                    eos_id=eos, tokenizer=tok)
+    # rollouts stream nothing and stop on EOS alone, so a whole completion is one decode dispatch
+    # (the loop ends when every row is done): bench/configs/grpo_trl.yaml's rollout 72 -> 64 ms
+    infer = dataclasses.replace(cfg.infer, batch_size=t.global_batch_size,
+                                decode_chunk=max(cfg.infer.decode_chunk, cfg.grpo.max_new_tokens))
+    gen = Generator(dataclasses.replace(m, num_nextn_predict_layers=0), policy_state(state, cfg), infer, mesh=mesh,
+                    kernels=cfg.kernels, eos_id=eos, tokenizer=tok)
     holder = {"state": state}
     # what rollbacks skipped stays on record in every later checkpoint; the rollout stream runs
     # ahead of the loop's step by the draws they skipped
