@@ -165,7 +165,7 @@ def test_dynamic_sampling_resamples_groups_without_reward_spread(tmp_path):
     got = {}
     for rounds in (0, 2):
         cfg = configlib.load(TINY, ["loss.objective=grpo", "grpo.group_size=8", "train.global_batch_size=32",
-                                    "grpo.max_new_tokens=1", "grpo.beta=0", "data.seq_len=32", "mesh.data=1",
+                                    "grpo.max_new_tokens=1", "grpo.beta=0", "data.seq_len=96", "mesh.data=1",
                                     "model.vocab_size=32", "data.tokenizer=unused", "grpo.dynamic_sampling=true",
                                     f"grpo.resample_rounds={rounds}"])
         setup = build(cfg, meshlib.single_device_mesh())
@@ -179,6 +179,7 @@ def test_dynamic_sampling_resamples_groups_without_reward_spread(tmp_path):
         got[rounds] = (batch, dict(ro.metrics), list(drawn))
     flat = tok.token_to_id("flat")
     for rounds, (batch, metrics, rnds) in got.items():
+        assert batch["ids"].shape[1] == grpo.ROW_BUCKET             # rows of a few tokens: one bucket, not seq_len
         assert metrics["frac_reward_zero_std"] == 0.5                 # round 0's groups, either way
         n = batch["segment_ids"].sum(axis=1)            # the prompt, then one sampled token
         rows_flat = np.asarray([(batch["ids"][j, :n[j] - 1] == flat).any() for j in range(len(n))])

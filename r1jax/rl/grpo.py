@@ -100,6 +100,9 @@ class Prompts:
                                 add_special_tokens=False).ids for ex in examples]
 
 
+ROW_BUCKET = 32       # GRPO rows are padded to a multiple of this (data.seq_len caps them)
+
+
 def step_examples(cfg: Config, step: int, rnd: int, n: int) -> list[dict]:
     """The n task problems GRPO poses at `step` (round `rnd` > 0: DAPO's resampling draws)."""
     return tasks.generate(cfg.grpo.task, n, seed=_seed(cfg.train.seed, "grpo", step, *((rnd,) if rnd else ())),
@@ -193,9 +196,13 @@ class Rollouts(grain.DatasetIterator):
         return batch
 
     def _rows(self, prompts: list[list[int]], outs, adv: np.ndarray, keep: np.ndarray | None) -> dict:
-        """One row per completion: prompt ids then completion ids (EOS included), right-padded."""
-        G, T = self.cfg.grpo.group_size, self.cfg.data.seq_len
+        """One row per completion: prompt ids then completion ids (EOS included), right-padded to
+        the longest row rounded up to ROW_BUCKET (at most data.seq_len): the update computes no
+        padding past that, and compiles once per bucket."""
+        G, cap = self.cfg.grpo.group_size, self.cfg.data.seq_len
         B = len(outs)
+        longest = max(len(prompts[j // G]) + len(o.completion_ids) for j, o in enumerate(outs))
+        T = min(cap, -(-longest // ROW_BUCKET) * ROW_BUCKET)
         batch = {k: np.zeros((B, T), np.int32) for k in ("ids", "segment_ids", "positions", "loss_mask")}
         batch["old_logp"] = np.zeros((B, T), np.float32)
         m = self.cfg.model
@@ -204,8 +211,8 @@ class Rollouts(grain.DatasetIterator):
         for j, o in enumerate(outs):
             p, c = prompts[j // G], o.completion_ids
             n = len(p) + len(c)
-            if n > T:
-                raise ConfigError(f"data.seq_len={T}: a prompt of {len(p)} tokens and {len(c)} new tokens need {n}; "
+            if n > cap:
+                raise ConfigError(f"data.seq_len={cap}: a prompt of {len(p)} tokens and {len(c)} new tokens need {n}; "
                                   f"raise data.seq_len or lower grpo.max_new_tokens")
             batch["ids"][j, :n] = p + c
             batch["segment_ids"][j, :n] = 1
