@@ -226,7 +226,9 @@ def test_dropout_drops_the_adapter_input_and_is_unbiased():
     assert abs(float((kept == 0).mean()) - 0.3) < 0.01                      # 20,000 draws: std 0.0032
     np.testing.assert_array_equal(np.asarray(fresh), np.asarray(mlp(x)))
     mean = np.mean([np.asarray(_drop_with(jax.random.key(k), x)) for k in range(2000)], 0)
-    np.testing.assert_allclose(mean, np.asarray(x), atol=6 * float(np.abs(x).max()) * (0.3 / 0.7 / 2000) ** 0.5)
+    # each entry's mean of 2,000 draws against its standard error |x| sqrt(p / (1 - p) / 2000):
+    # at most 3.6 of them measured over the 256 entries; 5 allowed
+    assert (np.abs(mean - np.asarray(x)) <= 5 * np.abs(np.asarray(x)) * (0.3 / 0.7 / 2000) ** 0.5).all()
 
     rng = np.random.default_rng(1)
     for adapter in mlp.lora.values():
@@ -240,7 +242,7 @@ def test_dropout_drops_the_adapter_input_and_is_unbiased():
         with loralib.dropout(None, 0.3):
             clean = mlp(x)
     want = x @ mlp.gate_DF[...] + lo.scale * (dropped @ gate.a[...]) @ gate.b["gate_DF"][...]
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=0)   # measured: equal
     with loralib.dropout(key, 0.3):
         np.testing.assert_array_equal(np.asarray(mlp(x)), np.asarray(again))    # the same key, the same masks
     with loralib.dropout(jax.random.key(6), 0.3):
@@ -276,6 +278,7 @@ def test_dropout_trains_reproducibly_and_equals_one_device_on_a_3d_mesh():
     assert runs["again"][0] == runs["one"][0]
     for p, v in runs["one"][1].items():
         np.testing.assert_array_equal(np.asarray(runs["again"][1][p]), np.asarray(v))
+    # the 3-D mesh test's tolerances above; measured here 4.7e-7 (losses, relative), 1.5e-7 (weights)
     np.testing.assert_allclose(runs["3d"][0], runs["one"][0], rtol=1e-5)
     for p, v in runs["3d"][1].items():
         np.testing.assert_allclose(np.asarray(v), np.asarray(runs["one"][1][p]), atol=1e-5, err_msg="/".join(map(str, p)))
