@@ -237,6 +237,12 @@ def test_grpo_runs_on_8_devices_as_on_1(tmp_path):
                 "clip_high_frac", "completion_len", "frac_reward_zero_std", "rollout_s", "update_s", "ratio_drift"):
         assert key in train[0], key
     assert (tmp_path / "one" / "rewards.png").is_file()
+    # tokens/s counts the rows' real tokens (prompt + completion), not 16 rows of data.seq_len
+    timed = [r for r in train if "step_time" in r]
+    assert timed
+    for r in timed:
+        assert 16 * r["completion_len"] < r["batch_tokens"] < 16 * 64
+        assert r["tokens_per_s"] == pytest.approx(r["batch_tokens"] / r["step_time"], rel=1e-9)
     a = [r["loss"] for r in one if "split" not in r]
     b = [r["loss"] for r in eight if "split" not in r]
     assert [r["reward_mean"] for r in one if "split" not in r] == [r["reward_mean"] for r in eight if "split" not in r]

@@ -193,6 +193,7 @@ class Rollouts(grain.DatasetIterator):
         if g.resample_rounds:
             self.metrics.update(resampled_groups=float(replaced), resample_rounds=float(rounds))
         self.metrics["rollout_s"] = time.perf_counter() - t0
+        self.metrics["batch_tokens"] = float(batch["segment_ids"].sum())   # the rows' real tokens: tokens_per_s
         return batch
 
     def _rows(self, prompts: list[list[int]], outs, adv: np.ndarray, keep: np.ndarray | None) -> dict:
@@ -425,7 +426,7 @@ def train(cfg: Config, run_dir: str | Path, devices: list | None = None) -> dict
         result = loop.run(step, state, rollouts, place=place, start=start, end=min(t.steps, t.stop_at or t.steps),
                           total=t.steps, log_every=t.log_every, writer=writer, checkpointer=ckpt, save_meta=save_meta,
                           evaluator=evaluator, eval_every=t.eval_every,
-                          tokens_per_step=t.global_batch_size * cfg.data.seq_len,
+                          tokens_per_step=t.global_batch_size * cfg.data.seq_len, tokens_metric="batch_tokens",
                           flops_per_token=0.0, peak_flops=1.0,     # no MFU: rollouts dominate a step
                           guarding=guarding)
     finally:

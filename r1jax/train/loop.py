@@ -141,9 +141,11 @@ def run(step_fn: Callable, state, batches: Iterator[dict], *, place: Callable[[d
         total: int, log_every: int, writer: MetricsWriter, checkpointer, save_meta: dict,
         evaluator: Evaluator | None, eval_every: int, tokens_per_step: int, flops_per_token: float,
         peak_flops: float, block_each_step: bool = False, guarding: Guarding | None = None,
-        target_loss: float = 0.0) -> Result:
+        target_loss: float = 0.0, tokens_metric: str | None = None) -> Result:
     """Steps start+1 .. end (of `total`); see the module docstring. With `target_loss`, the loop
     also ends (stopped "train.stop_at_eval_loss") after the first eval whose loss is at or below it.
+    `tokens_per_s` counts `tokens_per_step` a step, or with `tokens_metric` that per-step metric
+    (GRPO's rows vary in length: it reports their real tokens).
 
     Per-step metrics are fetched (and judged by the guard) only at log and checkpoint steps and at
     the end: a checkpoint is written only when every step before it was judged and the last was
@@ -212,7 +214,8 @@ def run(step_fn: Callable, state, batches: Iterator[dict], *, place: Callable[[d
                 if steps:
                     vals["step_time"] = (now - last_t) / steps
                     vals["data_wait"] = wait / steps
-                    vals["tokens_per_s"] = tokens_per_step / max(vals["step_time"], 1e-9)
+                    n = vals[tokens_metric] if tokens_metric else tokens_per_step
+                    vals["tokens_per_s"] = n / max(vals["step_time"], 1e-9)
                     vals["mfu"] = flops_per_token * vals["tokens_per_s"] / peak_flops
                 # else the window held only the compiling step: nothing is timed, so no timing keys
                 if g.guard is not None:
