@@ -206,6 +206,7 @@ def test_a_batch_attends_only_as_far_as_its_rows_reach(tiny, monkeypatch, specul
     np.testing.assert_allclose(sum((c.logprobs for c in cut), []), sum((c.logprobs for c in whole), []),
                                rtol=0, atol=2e-6)       # 4.8e-7 measured: fp32 sums over more zeros
 
+
 def test_recorded_routing_is_the_models_and_replaying_it_forces_the_experts(tiny, gen):
     """Request.routing: the expert ids of every fed position (prompt, then each completion token
     but the last) equal the training forward's own choices on the same tokens, and recording

@@ -436,13 +436,9 @@ class Generator:
             done[stop_now] = True
             if done.all():
                 break
-            # attention reads only as far as the furthest live row writes in this chunk: its next
-            # token goes in at prompt + generated - 1 and it feeds at most its remaining budget,
-            # one token a step (speculating: two, and the draft's position one further).
-            # moe_small, batch 32, 64 + 64 tokens: 256 positions -> 128, 16.2 -> 13.4 ms a step
-            per = 2 if speculative else 1
-            reach = max(len(reqs[i].prompt_ids) + len(streams[i].ids) - 1 + per - 1
-                        + min(self.infer.decode_chunk * per, reqs[i].max_new_tokens - len(streams[i].ids))
+            # attention reads only as far as the furthest live row writes in this chunk (moe_small,
+            # batch 32, 64 + 64 tokens: 256 positions -> 128, 16.2 -> 13.4 ms a step)
+            reach = max(attend_reach(reqs[i], len(streams[i].ids), self.infer.decode_chunk, speculative)
                         for i in range(n) if not done[i])
             attend = attend_bucket(reach, S, factor=2)
             slots, em, done, stopped = self.step(slots, Bb, self.infer.decode_chunk, top, attend, routes)
@@ -478,6 +474,15 @@ class Generator:
 
 
 # ---------------------------------------------------------------------- device helpers
+def attend_reach(req: Request, generated: int, steps: int, speculative: bool) -> int:
+    """The cache positions a decode call of `steps` steps can touch for a row of `req` that has
+    `generated` completion tokens: its next token goes in at prompt + generated - 1 and it feeds
+    at most its remaining budget, one token a step (speculating: two, and the draft's position
+    one further)."""
+    per = 2 if speculative else 1
+    return len(req.prompt_ids) + generated - 1 + (per - 1) + min(steps * per, req.max_new_tokens - generated)
+
+
 def attend_bucket(positions: int, max_len: int, lo: int = 64, factor: int = 4) -> int | None:
     """The attention length for a decode call whose rows reach `positions` positions: `lo` times
     a power of `factor` (the server: 4, few executables per slot bucket; a batch: 2, at most

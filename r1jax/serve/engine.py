@@ -30,7 +30,8 @@ import threading
 import time
 from typing import Callable
 
-from r1jax.infer.generator import MAX_TOP_LOGPROBS, Completion, Generator, Request, Stream, attend_bucket
+from r1jax.infer.generator import (MAX_TOP_LOGPROBS, Completion, Generator, Request, Stream, attend_bucket,
+                                   attend_reach)
 
 log = logging.getLogger("r1jax.serve")
 
@@ -290,10 +291,9 @@ class Engine:
         ended = [s for s, j in self.running.items() if j.stream.cut is not None]
         if ended:
             self.slots = self.gen.finish(self.slots, ended)
-        # attention reads only as far as the furthest row can reach in this call (a row's next
-        # token goes in at prompt + generated - 1; each step moves it 1, or 2 when speculating)
-        reach = max(len(j.req.prompt_ids) + len(j.stream.ids) for j in self.running.values())
-        reach += self.cfg.decode_steps * (2 if self.cfg.speculative else 1) + 1
+        # attention reads only as far as the furthest row can write in this call
+        reach = max(attend_reach(j.req, len(j.stream.ids), self.cfg.decode_steps, self.cfg.speculative)
+                    for j in self.running.values())
         attend = attend_bucket(reach, self.slots.max_len)
         self.slots, em, done, stopped = self.gen.step(self.slots, bucket, self.cfg.decode_steps, self._top(), attend)
         self.steps += 1
