@@ -763,6 +763,14 @@ def validate(cfg: Config) -> None:
             v = getattr(m, key)
             _need(v is None or v % mesh.fsdp == 0,
                   f"mesh.fsdp={mesh.fsdp}: must divide model.{key} ({v}); fsdp shards those dimensions")
+    if mesh.pipeline > 1 and mesh.fsdp >= 1:
+        # outside the pipelined stack `pipeline` shards the parameters as fsdp does (parallel/mesh.py)
+        k = mesh.fsdp * mesh.pipeline
+        for key in ("hidden_size", "q_lora_rank", "kv_lora_rank"):
+            v = getattr(m, key)
+            _need(v is None or v % k == 0,
+                  f"mesh.fsdp x mesh.pipeline = {k}: must divide model.{key} ({v}); outside the pipelined MoE "
+                  f"stack both shard those dimensions of the parameters")
     if mesh.expert > 1 and moe_used:
         _need(m.n_routed_experts % mesh.expert == 0,
               f"mesh.expert={mesh.expert}: must divide model.n_routed_experts ({m.n_routed_experts})")

@@ -49,19 +49,32 @@ def spec(*names: str | None) -> PartitionSpec:
     unknown = [n for n in names if n is not None and n not in rules]
     if unknown:
         raise ValueError(f"logical axis '{unknown[0]}' has no rule (known: {', '.join(rules)})")
-    manual = set(jax.sharding.get_abstract_mesh().manual_axes)
-    return PartitionSpec(*(None if n is None else _without(rules[n], manual) for n in names))
+    # a mesh axis splits one dimension at most: a later dimension whose rule names an axis an
+    # earlier one took goes without it (the pipelined stack's `stages` take `pipeline` first, so
+    # its `embed` is over fsdp alone; outside the stack `embed` is over fsdp and pipeline)
+    used = set(jax.sharding.get_abstract_mesh().manual_axes)
+    out = []
+    for n in names:
+        entry = None if n is None else _without(rules[n], used)
+        used.update(_axes(entry))
+        out.append(entry)
+    return PartitionSpec(*out)
 
 
-def _without(entry, manual: set[str]):
-    """A rule's mesh axes less those manual here: inside a shard_map over `pipeline` (the
-    pipeline's stages) the batch is whole over it, though outside it is sharded over it too."""
-    if not manual or entry is None:
+def _axes(entry) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _without(entry, taken: set[str]):
+    """A rule's mesh axes less those `taken`: manual here (inside a shard_map over `pipeline`, the
+    pipeline's stages, the batch is whole over it, though outside it is sharded over it too) or
+    used by an earlier dimension."""
+    if not taken or entry is None:
         return entry
     if isinstance(entry, str):
-        return None if entry in manual else entry
-    kept = tuple(a for a in entry if a not in manual)
-    return kept or None
+        return None if entry in taken else entry
+    kept = tuple(a for a in entry if a not in taken)
+    return kept[0] if len(kept) == 1 else (kept or None)
 
 
 def mesh_axes(name: str) -> tuple[str, ...]:

@@ -16,7 +16,8 @@ planned mesh sizes, by arithmetic (a 2048-device mesh is never built). What is c
 - state (the step's donated arguments): fp32 master parameters, AdamW mu + nu (fp32, sharded like
   the parameters), router biases, the step and loss-scale scalars and this device's batch rows.
   With mesh.pipeline > 1 the MoE stack sits in `Layout.slots` padded slots sharded over
-  `pipeline`; everything else is whole on every stage (r1jax/parallel/pipeline.py);
+  `pipeline`; everything else is sharded over `pipeline` as over fsdp (no stage holds it whole,
+  r1jax/parallel/mesh.py), and a layer of it is gathered where it runs (its working set);
 - the step's temporaries (XLA's `temp`): fp32 gradients (sharded like the parameters; with
   grad_accum > 1 the running sum plus one microbatch's), what each layer saves for its backward
   under `train.remat` (one stacked buffer per scanned stack; GPipe/circular keep every tick's),
@@ -46,7 +47,8 @@ train.remat recomputes the forward; D hidden, dt the compute dtype's bytes; tok 
 tokens per step = global batch / (data x fsdp x expert) x seq):
     fsdp      all-gather of every part's weights in dt, FSDP_GATHERS = 2 times (forward, backward:
               a recomputed forward reuses the backward's gather), and reduce-scatter of their
-              fp32 gradients, A times (the pipelined MoE stack A x M times);
+              fp32 gradients, A times (the pipelined MoE stack A x M times); `pipeline` the same
+              for the parts outside the pipelined stack;
     data, fsdp, expert (the batch axes)
               all-reduce of the fp32 gradients of the leaves each does not split, once per step;
               over several axes axis by axis, the one with most GPUs in a node first, each
@@ -57,16 +59,16 @@ tokens per step = global batch / (data x fsdp x expert) x seq):
               of which (n-1)/n leaves the device), or the dropless/ragged exchange's all-gather of
               the expert group's tokens and reduce-scatter of their outputs (ep x tokens x D x dt);
     pipeline  stage boundaries, rows x seq x D x dt a tick forward and backward (GPipe/circular:
-              M x repeats + P - 1 ticks, 1F1B: M) plus the all-reduce of the stack's output
-              (and of its input gradient) over the stages, A times.
+              M x repeats + P - 1 ticks, 1F1B: M + 2P - 2), the other stages' rows of the
+              stack's input sent to stage 0 and their gradient back, and (GPipe/circular) of its
+              output from the last stage and back, A times; 1F1B: the epilogue's rows each tick.
 The compute lower bound is r1jax.train.mfu.flops_per_token (6 x activated parameters +
 attention; no remat recompute, no redundant pipeline prologue) x the step's tokens / devices,
 over the datasheet dense peak of the compute dtype (mfu.GPU_PEAKS). Nothing is assumed to
 overlap: every collective runs alone, IB and NVLink parts one after the other, so
 `comm_bound` (communication seconds > compute seconds) says the step is bound by communication
 even if all of it hid behind compute. Not counted: the head's softmax statistics over tensor,
-the router's weights and choices gathered by the dropless exchange, collective buffers, and any
-gradient all-reduce over `pipeline` (every stage computes the replicated parts' gradients whole).
+the router's weights and choices gathered by the dropless exchange, and collective buffers.
 
 How the activation model was built: the inventory follows r1jax's code (mla.py, moe.py,
 dispatch.py, transformer.py, pipeline.py); how many copies of each tensor XLA keeps at each point
@@ -496,7 +498,10 @@ def layer_backward(m: configlib.ModelConfig, g: Geometry, moe: bool, rows: int, 
 
 
 def _layer_weights(cfg: Config, mesh: dict[str, int], prefix: str, stacked: bool = True) -> int:
-    """Elements one device holds of one layer's trainable weights under `prefix`."""
+    """Elements one device holds of one layer's trainable weights under `prefix` (a pipeline
+    stage holds its MoE layers whole over `pipeline`)."""
+    if prefix.startswith("moe_layers"):
+        mesh = dict(mesh, pipeline=1)
     return _layer_weights_of(cfg.model, _key(mesh), prefix, stacked)
 
 
@@ -507,12 +512,15 @@ def _layer_weights_of(model: configlib.ModelConfig, mesh_key: tuple, prefix: str
                for l in leaves(model) if l.trainable and l.path.startswith(prefix))   # the base weights
 
 
-def _weights_gathered(cfg: Config, mesh: dict[str, int], prefix: str, layers: int, dt: int) -> int:
-    """One layer's weights all-gathered over fsdp in the compute dtype (and their fp32 gradient
-    before the reduce-scatter): the transient fsdp adds to a layer. 0 without fsdp."""
-    if mesh["fsdp"] == 1 or layers == 0:
+def _weights_gathered(cfg: Config, mesh: dict[str, int], prefix: str, layers: int, dt: int,
+                      stacked: bool = True) -> int:
+    """One layer's weights all-gathered over fsdp (outside the pipelined MoE stack over fsdp and
+    pipeline) in the compute dtype, and their fp32 gradient before the reduce-scatter: the
+    transient they add where the layer runs. 0 when those axes do not split them."""
+    axes = ("fsdp",) if prefix.startswith("moe_layers") else ("fsdp", "pipeline")
+    if layers == 0 or all(mesh[a] == 1 for a in axes):
         return 0
-    return _layer_weights(cfg, dict(mesh, fsdp=1), prefix) * (dt + F32)
+    return _layer_weights(cfg, dict(mesh, **{a: 1 for a in axes}), prefix, stacked) * (dt + F32)
 
 
 def _epilogue(cfg: Config, g: Geometry, rows: int, w_gather: int, local_sort: bool = False) -> dict[str, int]:
@@ -566,6 +574,10 @@ def _phases(cfg: Config, mesh: dict[str, int], st: dict, g: Geometry) -> list[tu
     bwd_dense = (layer_backward(m, g, False, ra) - layer_working(m, g, False, ra)
                  if (n_dense and remat is not Remat.none) else 0)
     w_gather = _weights_gathered(cfg, mesh, "moe_layers", n_moe, dt)
+    w_mtp = _weights_gathered(cfg, mesh, "mtp/0/block/", m.num_nextn_predict_layers, dt, stacked=False)
+    # the head (shared by the MTP blocks) and the embedding, gathered where they run
+    w_head = _weights_gathered(cfg, mesh, "lm_head", 1, dt, stacked=False)
+    w_dense += _weights_gathered(cfg, mesh, "embed", 1, dt, stacked=False)
     opt = ph("optimizer", 0, 0, (2 if t.grad_accum == 1 else 1) * st["largest_leaf"], grads_all, gathered=0)
     dense_phases = [ph("forward dense layers", r_dense, 0, w_dense, 0)]
     dense_bwd = ph("backward dense layers", r_dense, 0, w_dense + bwd_dense, grads_all - parts.get("embed", 0))
@@ -575,13 +587,17 @@ def _phases(cfg: Config, mesh: dict[str, int], st: dict, g: Geometry) -> list[tu
         # runs one stage forward, the epilogue's forward and backward on 1/P of the last stage's
         # rows, and one stage backward (recomputed from the kept input). A device keeps a ring of
         # 2P-1 stage inputs, the received activation and gradient, the stage outputs, the inputs
-        # and input gradients of all M microbatches, and one set of running gradient sums.
+        # and input gradients of all M microbatches, and one set of running gradient sums. The
+        # parts outside the stack enter the ticks whole over pipeline (fp32), and their
+        # gradients are summed there whole until the end.
         from r1jax.parallel.pipeline import ticks_1f1b
         layout = _layout(cfg, mesh)
         _, ring = ticks_1f1b(P, t.microbatches)
         xs = rs * T * m.hidden_size * dt
-        carry = (ring + 2 * t.microbatches + 4) * xs + grads_all
-        ep = _epilogue(cfg, g, rs // P if rs >= P else rs, w_gather, local_sort=True)
+        whole = _state_bytes(m, layout, _key(dict(mesh, pipeline=1)), _lora(cfg))["by_part"]
+        outside = sum(n for k, n in whole.items() if k != "moe_layers")
+        carry = (ring + 2 * t.microbatches + 4) * xs + g_moe + 2 * outside
+        ep = _epilogue(cfg, g, rs // P if rs >= P else rs, 0, local_sort=True)
         fwd = layer_working(m, g, True, rs, True) + w_gather
         epi = ep["saved"] + ep["all_logits"] + max(ep["bwd_work"], ep["fwd_work"])
         bwd = layout.chunk * sum(layer_inventory(m, g, True, rs, True).values()) + layer_working(m, g, True, rs, True)
@@ -609,7 +625,7 @@ def _phases(cfg: Config, mesh: dict[str, int], st: dict, g: Geometry) -> list[tu
     # outside the stages the batch is split over pipeline as well: the MTP's routed sort (without
     # expert parallelism) still gathers the whole batch, pipeline shards included
     outer = dataclasses.replace(g, batch_shards=g.batch_shards * g.pipeline)
-    ep = _epilogue(cfg, outer, ra, w_gather)
+    ep = _epilogue(cfg, outer, ra, w_mtp)
     if cast and m.num_nextn_predict_layers:
         ep["saved"] += m.num_nextn_predict_layers * cast * _layer_weights(cfg, mesh, "mtp/0/", stacked=False)
     before = r_dense + r_moe
@@ -621,8 +637,8 @@ def _phases(cfg: Config, mesh: dict[str, int], st: dict, g: Geometry) -> list[tu
         *dense_phases,
         ph("forward MoE layers", before, 0, w_moe + early, 0),
         ph("forward MTP", before + ep["fwd_saved"], ep["logits"], ep["fwd_work"], 0),
-        ph("loss", before + ep["saved"], ep["all_logits"], 2 * ep["logits"], 0),
-        ph("backward MTP and head", before + ep["saved"], ep["logits"], ep["bwd_work"], g_head),
+        ph("loss", before + ep["saved"], ep["all_logits"], 2 * ep["logits"] + w_head, 0),
+        ph("backward MTP and head", before + ep["saved"], ep["logits"], ep["bwd_work"] + w_head, g_head),
         ph("backward MoE layers", before, 0, w_moe + bwd_moe, g_head + g_moe),
         dense_bwd,
         opt,
@@ -693,26 +709,30 @@ def _collective(kind: str, size: float, inside: int, nodes: int) -> tuple[float,
 def _fsdp_traffic(cfg: Config, mesh: dict[str, int]) -> list[tuple[str, str, str, float]]:
     """Each part's weights all-gathered over fsdp in the compute dtype (FSDP_GATHERS times) and
     their fp32 gradients reduce-scattered, per grad_accum microbatch (the pipelined MoE stack:
-    per pipeline microbatch)."""
-    f = mesh["fsdp"]
-    if f == 1:
-        return []
+    per pipeline microbatch). `pipeline` does the same for the parts outside the pipelined stack,
+    which it shards as fsdp does (r1jax/parallel/mesh.py's `embed` rules)."""
     t = cfg.train
     layout, lora = _layout(cfg, mesh), _lora(cfg)
-    whole = _state_bytes(cfg.model, layout, _key({**mesh, "fsdp": 1}), lora)
     own = _state_bytes(cfg.model, layout, _key(mesh), lora)
     dt = DTYPE_BYTES[t.dtype]
-    # a device lacks (f-1)/f of the leaves fsdp splits (the others are whole on it): those leaves
-    # whole, the size the ring formulas take, are (whole - own) x f/(f-1)
     out = []
-    for part, n in whole["by_part"].items():
-        calls = t.grad_accum * (t.microbatches if part == "moe_layers" and mesh["pipeline"] > 1 else 1)
-        size = (n - own["by_part"][part]) * f / (f - 1)
-        out += [("fsdp", "weight all-gathers", "all_gather", FSDP_GATHERS * calls * size * dt / F32),
-                ("fsdp", "gradient reduce-scatters", "all_gather", calls * size)]
-    if whole["frozen"]:                                                 # LoRA's base weights, as stored
-        size = (whole["frozen"] - own["frozen"]) * f / (f - 1)
-        out.append(("fsdp", "weight all-gathers", "all_gather", FSDP_GATHERS * t.grad_accum * size))
+    for axis in ("fsdp", "pipeline"):
+        f = mesh[axis]
+        if f == 1:
+            continue
+        whole = _state_bytes(cfg.model, layout, _key({**mesh, axis: 1}), lora)
+        # a device lacks (f-1)/f of the leaves the axis splits (the others are whole on it): those
+        # leaves whole, the size the ring formulas take, are (whole - own) x f/(f-1)
+        for part, n in whole["by_part"].items():
+            if axis == "pipeline" and part == "moe_layers":
+                continue                                                # the stages' own slots
+            calls = t.grad_accum * (t.microbatches if part == "moe_layers" and mesh["pipeline"] > 1 else 1)
+            size = (n - own["by_part"][part]) * f / (f - 1)
+            out += [(axis, "weight all-gathers", "all_gather", FSDP_GATHERS * calls * size * dt / F32),
+                    (axis, "gradient reduce-scatters", "all_gather", calls * size)]
+        if whole["frozen"] and axis == "fsdp":                          # LoRA's base weights, as stored
+            size = (whole["frozen"] - own["frozen"]) * f / (f - 1)
+            out.append((axis, "weight all-gathers", "all_gather", FSDP_GATHERS * t.grad_accum * size))
     return out
 
 
@@ -774,11 +794,15 @@ def _activation_traffic(cfg: Config, mesh: dict[str, int], g: Geometry) -> list[
         sends = 2 * ticks                                                # forward and backward, every tick
         if onefoneb:                                                     # the epilogue's rows out and gradients back
             out.append(("pipeline", "epilogue rows", "all_gather", A * 2 * ticks * xs * (P - 1) / P))
+        # outside the stages the rows are split over pipeline: stage 0 receives the other stages'
+        # rows of the stack input and sends back their gradient; under GPipe the last stage sends
+        # them their rows of its output and receives the gradient (1F1B: the epilogue rows above).
+        # The busiest device's share, point to point
+        rows = 2 * A * M * xs * (P - 1) / P
         out += [("pipeline", "stage boundaries", "permute", A * sends * xs),
-                # the stages take a data shard's rows whole (outside they are split over pipeline)
-                ("pipeline", "stack input all-gather", "all_gather", A * M * xs),
-                # GPipe psums the stack's output to every stage and the input's gradient back; 1F1B the latter
-                ("pipeline", "stack output all-reduce", "all_reduce", A * (1 if onefoneb else 2) * M * xs)]
+                ("pipeline", "stack input to stage 0", "permute", rows)]
+        if not onefoneb:
+            out.append(("pipeline", "stack output from the last stage", "permute", rows))
     return out
 
 

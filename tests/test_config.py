@@ -33,6 +33,8 @@ BAD = {
     "seq_len beyond positions": (["data.seq_len=4096"], "data.seq_len"),
     "batch not divisible by shards": (["mesh.data=3"], "train.global_batch_size"),
     "two free mesh axes": (["mesh.fsdp=-1"], "mesh"),
+    "latent not divisible by fsdp x pipeline": (["mesh.data=1", "mesh.fsdp=2", "mesh.pipeline=4", "model.q_lora_rank=36"],
+                                               "mesh.fsdp x mesh.pipeline = 8: must divide model.q_lora_rank (36)"),
     "negative lr": (["optim.lr=-1"], "optim.lr"),
     "fp16 Adam moments": (["optim.moment_dtype=fp16"], "optim.moment_dtype=fp16: must be fp32 or bf16"),
     "zero attention block": (["kernels.attention_block=0"], "kernels.attention_block=0: must be a positive integer"),

@@ -99,6 +99,14 @@ def test_deepseek_published_layout_is_planned_and_flagged(dsv3):
     moe = next(l for l in plan.leaves(cfg.model) if l.path == "moe_layers/layers/attn/wq_a_DQ")
     assert r["params_by_part"]["moe_layers"] > 0
     assert plan.shard_shape((64, *moe.shape[1:]), ("stages", *moe.names[1:]), r["mesh"])[0] == 4
+    # outside the stack pipeline shards as fsdp does: embedding, dense prefix, head and MTP are
+    # 1/16 a device (their routed experts 1/64 over expert as well; norm vectors whole)
+    for part in ("embed", "lm_head_DW", "dense_layers", "mtp"):
+        whole = sum(math.prod(l.shape) * l.itemsize / (64 if l.path.endswith(ROUTED) else 1)
+                    for l in plan.leaves(cfg.model) if l.path.split("/")[0] == part and "norm" not in l.path)
+        norms = sum(math.prod(l.shape) * l.itemsize for l in plan.leaves(cfg.model)
+                    if l.path.split("/")[0] == part and "norm" in l.path)
+        assert whole / 16 <= r["params_by_part"][part] <= whole / 16 + norms, part
 
 
 def test_cli_prints_the_table_and_writes_json(tmp_path):

@@ -102,7 +102,11 @@ class Embed(nnx.Module):
         self.dtype = dtype
 
     def __call__(self, ids_BT: jax.Array) -> jax.Array:
-        x = jnp.take(self.embedding_WD[...], ids_BT, axis=0).astype(self.dtype)
+        # the table whole over its hidden axis (fsdp and, outside a pipeline's stages, pipeline
+        # split it): a lookup into the split table would come out split over the hidden axis,
+        # and GSPMD would gather every row of the batch to reshard it (and its gradient)
+        table = constrain(self.embedding_WD[...], "vocab", None)
+        x = jnp.take(table, ids_BT, axis=0).astype(self.dtype)
         return constrain(x, "batch", "seq", "act_embed")
 
 

@@ -38,14 +38,17 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("act_heads", "tensor"),
     ("act_mlp", "tensor"),
     ("act_vocab", "tensor"),
-    # parameters (ZeRO-3 style over fsdp; Megatron-style tensor parallel over tensor)
-    ("embed", "fsdp"),
+    # parameters (ZeRO-3 style over fsdp; Megatron-style tensor parallel over tensor). `pipeline`
+    # is an fsdp axis too for the leaves outside the pipelined stack (embedding, dense prefix,
+    # head, MTP: MaxText's way), so no stage holds them whole; the stack's leaves take `pipeline`
+    # for their `stages` axis first and keep fsdp alone here (logical.spec: one dimension an axis)
+    ("embed", ("fsdp", "pipeline")),
     ("vocab", "tensor"),
     ("heads", "tensor"),
     ("q_lora", None),
     ("kv_lora", None),
-    ("q_lora_in", "fsdp"),           # the latent as an input (wq_b, wkv_b): these have no embed axis
-    ("kv_lora_in", "fsdp"),
+    ("q_lora_in", ("fsdp", "pipeline")),     # the latent as an input (wq_b, wkv_b): no embed axis
+    ("kv_lora_in", ("fsdp", "pipeline")),
     ("qk_head", None),
     ("qk_nope", None),
     ("qk_rope", None),

@@ -6,8 +6,10 @@ the batch sharded over `pipeline` as well as the batch axes (the `batch` rule, M
 each stage computes them for its own 1/P of the rows, not all of them, and each process reads
 only the rows its devices hold, so stages may sit in different processes (nodes). Entering the
 stages, GSPMD gathers a data shard's rows over `pipeline` (inside the shard_map the batch is whole
-over it: `logical.spec` leaves manual axes out); leaving them, the last stage's output is summed
-to every stage and each keeps its rows. (Their parameters are still replicated over `pipeline`.)
+over it: `logical.spec` leaves manual axes out); leaving them, one reduce-scatter gives each stage
+its rows of the last stage's output (1f1b: of stage 0's input gradient). Their parameters are
+sharded over `pipeline` as over fsdp (the `embed` rules in parallel/mesh.py), so no stage holds
+them whole: GSPMD gathers a layer's weights where it runs, as fsdp's.
 
 Layout. The model is always in model order; the layout belongs to the train state. There, the
 stack's parameters (and router biases, and their optimizer moments) live in `Layout.slots`
@@ -198,6 +200,47 @@ def _unsplit(a: jax.Array) -> jax.Array:
     return a.swapaxes(0, 1).reshape(-1, *a.shape[2:])
 
 
+def _by_stage(x: jax.Array) -> jax.Array:
+    """Outside the stages: [B, ...] -> [S, P, B/(S P), ...] (S: the other batch axes), the same
+    rows in the same shards as the `batch` rule puts them, with `pipeline` on its own dimension
+    for a shard_map to take by stage."""
+    mesh = jax.sharding.get_abstract_mesh()
+    axes = tuple(a for a in logical.mesh_axes("batch") if a != AXIS)
+    y = x.reshape(math.prod(mesh.shape[a] for a in axes), mesh.shape[AXIS], -1, *x.shape[1:])
+    return lax.with_sharding_constraint(y, P(axes or None, AXIS))
+
+
+def _stage_rows(a: jax.Array) -> jax.Array:
+    """[M, B/M, ...] microbatches of a data shard's rows, whole over `pipeline` -> [S, P, B/(S P),
+    ...]: dimension 1 is the stage that holds the rows outside the stages (the `batch` rule has
+    `pipeline` innermost), S the batch axes left to GSPMD here."""
+    mesh = jax.sharding.get_abstract_mesh()
+    shards = math.prod(mesh.shape[ax] for ax in logical.mesh_axes("batch"))
+    rows = _unsplit(a)
+    rows = rows.reshape(shards, mesh.shape[AXIS], -1, *rows.shape[1:])
+    return logical.constrain(rows, "batch", *[None] * (rows.ndim - 1))
+
+
+def _scatter_rows(rows: jax.Array, src: int) -> jax.Array:
+    """[S, P, r, ...] held by stage `src` -> [S, 1, r, ...]: each stage its own rows, sent by
+    P-1 point-to-point copies from `src` (not a psum of the whole to every stage; XLA's SPMD
+    partitioner gathers the data shards around a reduce-scatter in a partly manual region)."""
+    Ps, s = rows.shape[1], lax.axis_index(AXIS)
+    out = jnp.where(s == src, rows[:, src:src + 1], jnp.zeros_like(rows[:, :1]))
+    for j in range(Ps):
+        if j != src:
+            out = out + lax.ppermute(rows[:, j:j + 1], AXIS, [(src, j)])
+    return out
+
+
+def _gather_rows(rows: jax.Array, dst: int) -> jax.Array:
+    """The inverse of `_scatter_rows`: [S, 1, r, ...] of every stage -> [S, P, r, ...] on stage
+    `dst` (zeros elsewhere), so only the stage that reads the stack's input receives it."""
+    Ps, s = jax.sharding.get_abstract_mesh().shape[AXIS], lax.axis_index(AXIS)
+    parts = [rows if j == dst else lax.ppermute(rows, AXIS, [(j, dst)]) for j in range(Ps)]
+    return jnp.where(s == dst, jnp.concatenate(parts, axis=1), jnp.zeros((rows.shape[0], Ps, *rows.shape[2:]), rows.dtype))
+
+
 def _stage_fn(model, graphdef, axes: tuple[str, ...] = (AXIS,)):
     """(w [C,...], valid [C], x, positions, segment_ids) -> (y, aux [C,...]): one stage's layers."""
     cfg, dtype, remat = model.cfg, model.dtype, model.remat
@@ -232,8 +275,9 @@ def forward(model, batch: dict, *, layout: Layout, microbatches: int, mtp: bool 
     stage = _stage_fn(model, graphdef)
     ticks = M * R + Ps - 1
 
-    def per_device(w, valid, xm, posm, segm):
+    def per_device(w, valid, xs, posm, segm):
         s = lax.axis_index(AXIS)
+        xm = _split(_gather_rows(xs, 0).reshape(-1, *xs.shape[3:]), M)       # stage 0 reads the input
         w = jax.tree.map(lambda a: a.reshape(R, C, *a.shape[1:]), w)
         valid = valid.reshape(R, C)
         carry0 = _vary(jnp.zeros_like(xm[0]))
@@ -264,14 +308,13 @@ def forward(model, batch: dict, *, layout: Layout, microbatches: int, mtp: bool 
 
         (_, _, acc), ys = lax.scan(tick, (carry0, buf0, acc0), jnp.arange(ticks))
         ys = ys[(R - 1) * M + Ps - 1:]                  # stage P-1's last-repeat outputs, microbatch order
-        ys = lax.psum(jnp.where(s == Ps - 1, ys, jnp.zeros_like(ys)), AXIS)
-        return ys, jax.tree.map(lambda a: a.reshape(R * C, *a.shape[2:]), acc)
+        return _scatter_rows(_stage_rows(ys), Ps - 1), jax.tree.map(lambda a: a.reshape(R * C, *a.shape[2:]), acc)
 
-    run = jax.shard_map(per_device, in_specs=(P(AXIS), P(AXIS), P(), P(), P()), out_specs=(P(), P(AXIS)),
-                        axis_names={AXIS})
-    ym, acc = run(state, valid, _split(x, M), _split(positions, M), _split(segment_ids, M))
-    # every stage holds the stack's output; each goes on with its own rows (the batch over pipeline)
-    y = logical.constrain(_unsplit(ym), "batch", "seq", "act_embed")
+    run = jax.shard_map(per_device, in_specs=(P(AXIS), P(AXIS), P(None, AXIS), P(), P()),
+                        out_specs=(P(None, AXIS), P(AXIS)), axis_names={AXIS})
+    ym, acc = run(state, valid, _by_stage(x), _split(positions, M), _split(segment_ids, M))
+    # each stage goes on with its own rows of the stack's output (the batch over pipeline)
+    y = logical.constrain(ym.reshape(-1, *ym.shape[3:]), "batch", "seq", "act_embed")
     out = model.epilogue(y, input_ids, positions, segment_ids, mtp=mtp)
     return Output(out.logits, out.mtp_logits, {**_stage_aux(acc, layout), **out.aux})
 
@@ -345,8 +388,9 @@ def loss_and_grads_1f1b(graphdef, params: nnx.State, rest: nnx.State, batch: dic
         flat = {k[len("moe_layers/layers/"):]: a for k, a in {**stack, **rstack}.items()}
         return _state_of(layers_state, flat)
 
-    def per_device(stack, rstack, other, rother, valid, xm, bm, scale):
+    def per_device(stack, rstack, other, rother, valid, xs, bm, scale):
         s = lax.axis_index(AXIS)
+        xm = _split(_gather_rows(xs, 0).reshape(-1, *xs.shape[3:]), M)       # stage 0 reads the input
         last = s == Ps - 1
         vary = functools.partial(_vary, axes=ONEFONEB_MANUAL)
         # weights varying over data too: their gradients stay per shard, summed once at the end
@@ -407,13 +451,13 @@ def loss_and_grads_1f1b(graphdef, params: nnx.State, rest: nnx.State, batch: dic
         acc = c["acc"]
         both = ONEFONEB_MANUAL
         return (lax.psum(acc["loss"], both), lax.psum(acc["post"], both), lax.psum(acc["aux"], "data"),
-                lax.psum(acc["dstack"], "data"), lax.psum(acc["dother"], both), lax.psum(c["dx"], AXIS))
+                lax.psum(acc["dstack"], "data"), lax.psum(acc["dother"], both), _scatter_rows(_stage_rows(c["dx"]), 0))
 
     row_spec = P(None, "data")
-    run = jax.shard_map(per_device, in_specs=(P(AXIS), P(AXIS), P(), P(), P(AXIS), row_spec, row_spec, P()),
-                        out_specs=(P(), P(), P(AXIS), P(AXIS), P(), row_spec), axis_names=set(ONEFONEB_MANUAL))
-    loss, post_stats, aux, d_stack, d_other_post, dxm = run(
-        stack_v, rest_stack, other_v, rest_other, valid, _split(x, M), batch_m, scale)
-    (d_other_pro,) = pro_vjp(_unsplit(dxm))
+    run = jax.shard_map(per_device, in_specs=(P(AXIS), P(AXIS), P(), P(), P(AXIS), P("data", AXIS), row_spec, P()),
+                        out_specs=(P(), P(), P(AXIS), P(AXIS), P(), P("data", AXIS)), axis_names=set(ONEFONEB_MANUAL))
+    loss, post_stats, aux, d_stack, d_other_post, dxs = run(
+        stack_v, rest_stack, other_v, rest_other, valid, _by_stage(x), batch_m, scale)
+    (d_other_pro,) = pro_vjp(dxs.reshape(-1, *dxs.shape[3:]))
     grads = {**d_stack, **jax.tree.map(jnp.add, d_other_post, d_other_pro)}
     return (loss * scale, {**post_stats, **_stage_aux(aux, layout)}), _state_of(params, grads)

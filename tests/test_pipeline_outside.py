@@ -1,0 +1,109 @@
+"""What runs outside the pipeline's stages (#14 item 6): the embedding, dense prefix, head and MTP
+are sharded over `pipeline` as over fsdp, never summed whole to every stage, and computed by
+each stage on its own rows only. 8 fake CPU devices; compiles only (the numbers of training
+through these meshes are test_mesh.py's rule)."""
+from __future__ import annotations
+
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from r1jax import config as configlib
+from r1jax.parallel import mesh as meshlib
+from r1jax.parallel import pipeline
+from r1jax.train import state as statelib
+from r1jax.train.step import build
+from runs import TINY, tiny_batches
+
+SEQ = 40                     # no parameter has a (40, 64) tail: HLO arrays ending so are activations
+PIPE = ["mesh.data=4", "mesh.pipeline=2", "train.microbatches=2", f"data.seq_len={SEQ}",
+        "train.global_batch_size=16"]
+
+
+def _setup(overrides: list[str]):
+    cfg = configlib.load(TINY, overrides)
+    return cfg, build(cfg, meshlib.make_mesh(cfg.mesh, jax.devices()[:math.prod(
+        v for v in (cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, cfg.mesh.expert, cfg.mesh.pipeline))]))
+
+
+@pytest.mark.parametrize("zero1", [False, True])
+def test_parts_outside_the_stack_hold_a_pipeline_share_per_device(zero1):
+    """Per device, the embedding + dense prefix + head + MTP masters are their total / P (plus the
+    norms' weight vectors, which stay whole: 0.3% here); the stack's slots are split over the
+    stages as before. ZeRO-1 splits them further over data."""
+    cfg, setup = _setup(PIPE + ([f"optim.zero1={str(zero1).lower()}"]))
+    P = cfg.mesh.pipeline
+    total = own = norms = 0
+    for path, var in nnx.to_flat_state(setup.state["params"]):
+        a = var.get_value()
+        key = "/".join(map(str, path))
+        shard = a.addressable_shards[0].data.size * a.dtype.itemsize
+        if key.startswith(pipeline.STACK + "/"):
+            assert a.sharding.spec[0] == "pipeline", key
+            continue
+        total += a.size * a.dtype.itemsize
+        own += shard
+        if "norm" in key:
+            norms += shard
+            continue
+        split = P * (cfg.mesh.data if zero1 else 1)
+        assert shard * split == a.size * a.dtype.itemsize, (key, a.sharding.spec)
+    assert norms < 0.005 * total
+    assert own <= total / P / (cfg.mesh.data if zero1 else 1) + norms
+
+
+def _collectives(compiled) -> list[tuple[str, tuple[int, ...]]]:
+    out = []
+    for line in compiled.as_text().splitlines():
+        m = re.match(r"\s*%?\S+ = (\w+)\[([\d,]*)\]\S* (all-reduce|reduce-scatter|all-gather)(?:-start)?\(", line)
+        if m:
+            out.append((m.group(3), tuple(int(d) for d in m.group(2).split(",") if d)))
+    return out
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_no_collective_moves_the_stack_output_whole(schedule):
+    """The compiled train step holds no all-reduce of stack activations ([.., SEQ, D] arrays) over
+    the stages: the output reaches each stage's rows (and the input stage 0) point to point.
+    Before this change GPipe's step had two such all-reduces (output, input gradient) and
+    1F1B's one."""
+    cfg, setup = _setup(PIPE + [f"pipeline.schedule={schedule}"])
+    batch = tiny_batches(cfg, 1)[0]
+    colls = _collectives(setup.step.lower(setup.state, batch).compile())
+    D = cfg.model.hidden_size
+    acts = [(k, s) for k, s in colls if s[-2:] == (SEQ, D)]
+    assert not [s for k, s in acts if k == "all-reduce"], acts
+    # 1F1B's epilogue rows: one reduce-scatter and one all-gather a tick, 1/P of a microbatch's rows
+    rows = cfg.train.global_batch_size // cfg.mesh.data // cfg.train.microbatches
+    assert all(math.prod(s) <= rows * SEQ * D for _, s in acts), acts
+
+
+def test_epilogue_flops_halve_against_a_whole_data_shard():
+    """The final norm, head, MTP and their backward on pipeline2 x data4 cost each device half the
+    FLOPs of data4 alone (where every device computes its data shard's rows, as each stage did
+    when the epilogue was replicated): each stage runs its 1/P of the rows."""
+    flops = {}
+    for name, mesh_over in (("pipeline2_data4", ["mesh.data=4", "mesh.pipeline=2"]), ("data4", ["mesh.data=4"])):
+        cfg, setup = _setup(mesh_over + [f"data.seq_len={SEQ}", "train.global_batch_size=16",
+                                         "train.microbatches=2" if "mesh.pipeline=2" in mesh_over else "train.microbatches=1"])
+        model = statelib.model(setup.graphdef, setup.state, setup.layout)
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        batch = tiny_batches(cfg, 1)[0]
+        B, D = cfg.train.global_batch_size, cfg.model.hidden_size
+        y = np.random.default_rng(0).standard_normal((B, SEQ, D)).astype(np.float32)
+        rows = meshlib.batch_sharding(setup.mesh)
+
+        def loss(p, y, ids, pos, seg):
+            out = nnx.merge(graphdef, p, rest).epilogue(y, ids, pos, seg, mtp=True)
+            return jnp.mean(out.logits ** 2) + jnp.mean(out.mtp_logits ** 2)
+
+        args = [jax.device_put(a, rows) for a in (y, batch["ids"], batch["positions"], batch["segment_ids"])]
+        fn = meshlib.MeshedJit(jax.jit(jax.grad(loss)), setup.mesh)
+        flops[name] = fn.lower(params, *args).compile().cost_analysis()["flops"]
+    ratio = flops["pipeline2_data4"] / flops["data4"]
+    assert 0.45 < ratio < 0.6, flops
