@@ -1086,6 +1086,16 @@ def report(cfg: Config, r: dict[str, Any]) -> str:
     lines.append(f"{verdict}: {_gib(r['total'])} of {_gib(r['usable_bytes'])} usable "
                  f"({r['total'] / r['usable_bytes']:.0%})")
     lines.append("live temporaries by phase: " + ", ".join(f"{k} {_gib(v)}" for k, v in a["phases"].items()))
+    P = r["mesh"]["pipeline"]
+    if P > 1:
+        from r1jax.parallel.pipeline import bubble, layout_for, ticks_1f1b
+        sched, lay = cfg.pipeline.schedule, layout_for(cfg, P)
+        flight = (f"a ring of {ticks_1f1b(P, t.microbatches)[1]} stage inputs in flight" if sched is Schedule.onefoneb
+                  else f"every tick's residuals ({t.microbatches * lay.repeats + P - 1} ticks)")
+        lines.append(f"pipeline stages: each of the {P} holds these figures (the stack's {lay.slots} slots are "
+                     f"{lay.chunk * lay.repeats} a stage, padding included; the parts outside are split evenly; "
+                     f"one program runs on every stage), so every stage is the worst; {flight}; bubble "
+                     f"{bubble(P, t.microbatches, lay.repeats, sched):.1%}")
     lines += comm_report(r["comm"])
     parts = ", ".join(f"{k} {_gib(v)}" for k, v in sorted(r["params_by_part"].items(), key=lambda kv: -kv[1]))
     lines.append(f"parameters by part (per device): {parts}")

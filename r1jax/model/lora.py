@@ -17,9 +17,12 @@ layer (`merged`), one weight-sized temporary, the size of the compute-dtype cast
 
 Dropout (`lora.dropout`, training only) is PEFT's: on the adapter's input, y = x W + scale *
 (drop(x) a) b[W], one mask per HF module (the fused modules' two r1jax weights share it, as PEFT's
-one lora_A sees one dropped input). The train step opens `dropout(key, rate)` around its forward
-and each scanned stack hands every layer its own key (`layer_keys`), so masks differ by step,
-microbatch, stack, layer and module, and do not depend on the mesh (threefry is partitionable).
+one lora_A sees one dropped input). The train step opens `dropout(key, rate, rows)` around its
+forward, with `rows` the batch rows' numbers in the step's batch, and each scanned stack hands
+every layer its own key (`layer_keys`): a row's mask is drawn from (step, row, stack, layer,
+module) alone, so it does not depend on the mesh (threefry is partitionable), on grad_accum's or
+a pipeline's microbatches, or on which stage runs the layer; a pipeline hands its stages the
+microbatch's rows (`rows`) and the keys of the layers in their slots.
 Routed experts have none: their update is merged into the weights (PEFT's target_parameters
 refuse dropout for the same reason).
 
@@ -46,18 +49,39 @@ from r1jax.logical import variable
 
 RANK = "lora_rank"          # the adapters' rank dimension: never sharded
 
-# (key, rate) while a train step traces its forward; None: no dropout (eval, generation, export)
-_DROPOUT: contextvars.ContextVar[tuple[jax.Array, float] | None] = contextvars.ContextVar("lora_dropout", default=None)
+# (key, rate, rows) while a train step traces its forward; None: no dropout (eval, generation,
+# export). rows: the int32 numbers of the batch rows the forward runs on (None: one mask for x)
+_DROPOUT: contextvars.ContextVar[tuple[jax.Array, float, jax.Array | None] | None] = contextvars.ContextVar(
+    "lora_dropout", default=None)
 
 
 @contextlib.contextmanager
-def dropout(key: jax.Array | None, rate: float) -> Iterator[None]:
-    """Adapter-input dropout at `rate` for the forwards traced inside (no-op for key None or rate 0)."""
-    token = _DROPOUT.set(None if key is None or rate == 0 else (key, rate))
+def dropout(key: jax.Array | None, rate: float, rows: jax.Array | None = None) -> Iterator[None]:
+    """Adapter-input dropout at `rate` for the forwards traced inside (no-op for key None or rate
+    0); with `rows`, each row of an adapter's input draws its own mask from its number."""
+    token = _DROPOUT.set(None if key is None or rate == 0 else (key, rate, rows))
     try:
         yield
     finally:
         _DROPOUT.reset(token)
+
+
+def active() -> tuple[jax.Array, float] | None:
+    """(key, rate) of the dropout the forward being traced runs under, or None."""
+    ctx = _DROPOUT.get()
+    return None if ctx is None else ctx[:2]
+
+
+@contextlib.contextmanager
+def rows(numbers: jax.Array | None) -> Iterator[None]:
+    """The batch rows (their numbers in the step's batch) the forwards inside run on: a pipeline's
+    microbatch or piece. A no-op without dropout or without `numbers`."""
+    ctx = _DROPOUT.get()
+    if ctx is None or numbers is None:
+        yield
+        return
+    with dropout(ctx[0], ctx[1], numbers):
+        yield
 
 
 def layer_keys(n: int, stack: int) -> jax.Array | None:
@@ -72,17 +96,26 @@ def layer_key(key: jax.Array | None) -> Iterator[None]:
     if key is None:
         yield
         return
-    with dropout(key, _DROPOUT.get()[1]):
+    _, rate, numbers = _DROPOUT.get()
+    with dropout(key, rate, numbers):
         yield
 
 
 def drop_input(x, target: str):
-    """x as adapter `target` sees it: dropped with the context's key and rate (x itself outside one)."""
+    """x as adapter `target` sees it: dropped with the context's key and rate (x itself outside
+    one). With the context's row numbers, row i of x (its leading dimension, or a block of it when
+    the rows' tokens are flattened) draws from fold_in(key, its number)."""
     ctx = _DROPOUT.get()
     if ctx is None:
         return x
-    key, rate = ctx
-    keep = jax.random.bernoulli(jax.random.fold_in(key, zlib.crc32(target.encode()) & 0x7FFFFFFF), 1.0 - rate, x.shape)
+    key, rate, numbers = ctx
+    key = jax.random.fold_in(key, zlib.crc32(target.encode()) & 0x7FFFFFFF)
+    if numbers is None:
+        keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    else:
+        n = numbers.shape[0]
+        keep = jax.vmap(lambda r: jax.random.bernoulli(jax.random.fold_in(key, r), 1.0 - rate, (x.size // n,)))(numbers)
+        keep = keep.reshape(x.shape)
     return jnp.where(keep, x / jnp.asarray(1.0 - rate, x.dtype), jnp.zeros((), x.dtype))
 
 

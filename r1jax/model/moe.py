@@ -109,6 +109,11 @@ class MoE(nnx.Module):
         experts = tuple(_experts(v, dt) for v in self._routed())
         if isinstance(experts[0], tuple) and kind != "grouped":
             experts = tuple(jnp.stack(t) for t in experts)
+        if not isinstance(experts[0], tuple):
+            # each expert whole over the hidden axis (fsdp, and outside a pipeline's stages
+            # pipeline, split it): against split weights GSPMD regathers the data shard's tokens
+            experts = tuple(constrain(e, *names) for e, names in zip(
+                experts, (("experts", None, "moe_mlp"), ("experts", None, "moe_mlp"), ("experts", "moe_mlp", None))))
         opts = dict(tile=kn.moe_tile_size, capacity_factor=kn.capacity_factor)
         if expert_parallel.expert_axis()[1] > 1:        # experts sharded: exchange tokens (shard_map)
             y, dropped = expert_parallel.routed(kind, x_TD, w, idx, *experts, buffer_factor=kn.moe_buffer_factor,

@@ -88,6 +88,9 @@ def _checkpointed(fn, remat: Remat):
     return jax.checkpoint(fn, policy=policy, prevent_cse=False)
 
 
+MOE_STACK = 1       # the MoE stack's number for LoRA dropout's per-layer keys (the dense prefix is 0)
+
+
 def scan_blocks(graphdef, state, x, cos, sin, segment_ids, remat: Remat, valid=None, replay=None, keys=None):
     """Blocks with stacked parameters `state` [n, ...] applied in order under `lax.scan`.
 
@@ -261,7 +264,7 @@ class Transformer(nnx.Module):
         if self.moe_layers is not None:
             cos, sin = rope.cos_sin(self.cfg, positions, self.dtype)
             replay = None if routing is None else jnp.moveaxis(routing, 2, 0)
-            x, aux = self.moe_layers(x, cos, sin, segment_ids, self.remat, replay=replay, stack=1)
+            x, aux = self.moe_layers(x, cos, sin, segment_ids, self.remat, replay=replay, stack=MOE_STACK)
         out = self.epilogue(x, input_ids, positions, segment_ids, mtp=mtp)
         return Output(out.logits, out.mtp_logits, {**aux, **out.aux})
 

@@ -4,12 +4,13 @@ What is pipelined: the MoE layers only. The embedding and dense prefix (`Transfo
 and the final norm, head, MTP and loss (`epilogue`) run outside the stages, under GSPMD, with
 the batch sharded over `pipeline` as well as the batch axes (the `batch` rule, MaxText's way):
 each stage computes them for its own 1/P of the rows, not all of them, and each process reads
-only the rows its devices hold, so stages may sit in different processes (nodes). Entering the
-stages, GSPMD gathers a data shard's rows over `pipeline` (inside the shard_map the batch is whole
-over it: `logical.spec` leaves manual axes out); leaving them, one reduce-scatter gives each stage
-its rows of the last stage's output (1f1b: of stage 0's input gradient). Their parameters are
-sharded over `pipeline` as over fsdp (the `embed` rules in parallel/mesh.py), so no stage holds
-them whole: GSPMD gathers a layer's weights where it runs, as fsdp's.
+only the rows its devices hold, so stages may sit in different processes (nodes). Inside the
+shard_map the batch is whole over `pipeline` (`logical.spec` leaves manual axes out): entering,
+stage 0 receives the other stages' rows of the stack's input, and leaving, the last stage sends
+them their rows of its output (1f1b: stage 0 their rows of the input's gradient), point to point
+(`_gather_rows`, `_scatter_rows`), never a psum of the whole to every stage. Their parameters
+are sharded over `pipeline` as over fsdp (the `embed` rules in parallel/mesh.py), so no stage
+holds them whole: GSPMD gathers a layer's weights where it runs, as fsdp's.
 
 Layout. The model is always in model order; the layout belongs to the train state. There, the
 stack's parameters (and router biases, and their optimizer moments) live in `Layout.slots`
@@ -53,8 +54,9 @@ from jax.sharding import PartitionSpec as P
 
 from r1jax import logical
 from r1jax.config import Config, Schedule
+from r1jax.model import lora as loralib
 from r1jax.model import rope
-from r1jax.model.transformer import Output, scan_blocks
+from r1jax.model.transformer import MOE_STACK, Output, scan_blocks
 from r1jax.parallel import jax_fixes
 
 jax_fixes.apply()          # expert parallelism inside the stages nests shard_maps (jax_fixes says why)
@@ -242,14 +244,36 @@ def _gather_rows(rows: jax.Array, dst: int) -> jax.Array:
 
 
 def _stage_fn(model, graphdef, axes: tuple[str, ...] = (AXIS,)):
-    """(w [C,...], valid [C], x, positions, segment_ids) -> (y, aux [C,...]): one stage's layers."""
+    """(w [C,...], valid [C], x, positions, segment_ids, keys [C, 2] | None, rows | None) ->
+    (y, aux [C,...]): one stage's layers; under LoRA dropout with its layers' keys (as key data)
+    and the microbatch's row numbers."""
     cfg, dtype, remat = model.cfg, model.dtype, model.remat
 
-    def stage(w, valid, x, pos, seg):
+    def stage(w, valid, x, pos, seg, keys=None, rows=None):
         cos, sin = rope.cos_sin(cfg, pos, dtype)
-        y, aux = scan_blocks(graphdef, w, _vary(x, axes), cos, sin, seg, remat, valid)
+        keys = None if keys is None else jax.random.wrap_key_data(keys)
+        with loralib.rows(rows):
+            y, aux = scan_blocks(graphdef, w, _vary(x, axes), cos, sin, seg, remat, valid, keys=keys)
         return y, {k: aux[k].astype(jnp.float32) for k in STAGE_AUX}
     return stage
+
+
+def _dropout_inputs(layout: Layout):
+    """LoRA dropout's inputs for a shard_map over the stages, or (None, None) without dropout:
+    the base key's data (replicated) and every slot's layer key's data [slots, 2] (sharded over
+    `pipeline` like the weights), the keys the model-order stack would give its layers. Keys go
+    in as data: a shard_map body must not close over the traced key."""
+    ctx = loralib.active()
+    if ctx is None:
+        return None, None
+    keys = jax.random.key_data(loralib.layer_keys(layout.layers, MOE_STACK))
+    return jax.random.key_data(ctx[0]), layout.to_slots(keys)
+
+
+def _dropout_scope(base):
+    """Inside the shard_map: the dropout context again, from the base key's data."""
+    ctx = loralib.active()
+    return loralib.dropout(None if base is None else jax.random.wrap_key_data(base), 0.0 if ctx is None else ctx[1])
 
 
 def _stack_parts(model, layout: Layout):
@@ -275,10 +299,18 @@ def forward(model, batch: dict, *, layout: Layout, microbatches: int, mtp: bool 
     stage = _stage_fn(model, graphdef)
     ticks = M * R + Ps - 1
 
-    def per_device(w, valid, xs, posm, segm):
+    base, slot_keys = _dropout_inputs(layout)
+    rowm = _split(batch["row"], M) if base is not None else None
+
+    def per_device(w, valid, xs, posm, segm, base, keys, rowm):
+        with _dropout_scope(base):
+            return body(w, valid, xs, posm, segm, keys, rowm)
+
+    def body(w, valid, xs, posm, segm, keys, rowm):
         s = lax.axis_index(AXIS)
         xm = _split(_gather_rows(xs, 0).reshape(-1, *xs.shape[3:]), M)       # stage 0 reads the input
         w = jax.tree.map(lambda a: a.reshape(R, C, *a.shape[1:]), w)
+        keys = None if keys is None else keys.reshape(R, C, *keys.shape[1:])
         valid = valid.reshape(R, C)
         carry0 = _vary(jnp.zeros_like(xm[0]))
         buf0 = _vary(jnp.zeros_like(xm)) if R > 1 else None
@@ -301,7 +333,8 @@ def forward(model, batch: dict, *, layout: Layout, microbatches: int, mtp: bool 
             else:
                 first, wr = xm[m], jax.tree.map(lambda a: a[0], w)
             x_in = jnp.where(s == 0, first, state)
-            y, aux = stage(wr, valid[r], x_in, posm[m], segm[m])
+            y, aux = stage(wr, valid[r], x_in, posm[m], segm[m], None if keys is None else keys[r],
+                           None if rowm is None else rowm[m])
             acc = jax.tree.map(lambda a, b: a.at[r].add(jnp.where(active, b, jnp.zeros_like(b))), acc, aux)
             nxt = lax.ppermute(y, AXIS, [(i, (i + 1) % Ps) for i in range(Ps)])
             return (nxt, buf, acc), y
@@ -310,9 +343,9 @@ def forward(model, batch: dict, *, layout: Layout, microbatches: int, mtp: bool 
         ys = ys[(R - 1) * M + Ps - 1:]                  # stage P-1's last-repeat outputs, microbatch order
         return _scatter_rows(_stage_rows(ys), Ps - 1), jax.tree.map(lambda a: a.reshape(R * C, *a.shape[2:]), acc)
 
-    run = jax.shard_map(per_device, in_specs=(P(AXIS), P(AXIS), P(None, AXIS), P(), P()),
+    run = jax.shard_map(per_device, in_specs=(P(AXIS), P(AXIS), P(None, AXIS), P(), P(), P(), P(AXIS), P()),
                         out_specs=(P(None, AXIS), P(AXIS)), axis_names={AXIS})
-    ym, acc = run(state, valid, _by_stage(x), _split(positions, M), _split(segment_ids, M))
+    ym, acc = run(state, valid, _by_stage(x), _split(positions, M), _split(segment_ids, M), base, slot_keys, rowm)
     # each stage goes on with its own rows of the stack's output (the batch over pipeline)
     y = logical.constrain(ym.reshape(-1, *ym.shape[3:]), "batch", "seq", "act_embed")
     out = model.epilogue(y, input_ids, positions, segment_ids, mtp=mtp)
@@ -388,17 +421,26 @@ def loss_and_grads_1f1b(graphdef, params: nnx.State, rest: nnx.State, batch: dic
         flat = {k[len("moe_layers/layers/"):]: a for k, a in {**stack, **rstack}.items()}
         return _state_of(layers_state, flat)
 
-    def per_device(stack, rstack, other, rother, valid, xs, bm, scale):
+    base, slot_keys = _dropout_inputs(layout)
+
+    def per_device(stack, rstack, other, rother, valid, xs, bm, scale, base, keys):
+        with _dropout_scope(base):
+            return body(stack, rstack, other, rother, valid, xs, bm, scale, keys)
+
+    def body(stack, rstack, other, rother, valid, xs, bm, scale, keys):
         s = lax.axis_index(AXIS)
         xm = _split(_gather_rows(xs, 0).reshape(-1, *xs.shape[3:]), M)       # stage 0 reads the input
         last = s == Ps - 1
         vary = functools.partial(_vary, axes=ONEFONEB_MANUAL)
-        # weights varying over data too: their gradients stay per shard, summed once at the end
-        stack, other = vary(stack), vary(other)
+        # weights varying over data too: their gradients stay per shard, summed once at the end;
+        # the frozen ones too (router biases, LoRA's base weights), which a custom VJP inside
+        # (the head's loss) gives a cotangent of the varying rows' type
+        stack, other, rstack, rother = vary(stack), vary(other), vary(rstack), vary(rother)
         piece_rows = xm.shape[1] // Ps
 
         def stage_w(stack_, x, m):
-            y, aux = stage(block_state(stack_, rstack), valid, x, bm["positions"][m], bm["segment_ids"][m])
+            y, aux = stage(block_state(stack_, rstack), valid, x, bm["positions"][m], bm["segment_ids"][m], keys,
+                           bm["row"][m] if "row" in bm else None)
             return (y, aux["balance"].sum()), aux
 
         def post(other_, y, m):
@@ -454,10 +496,11 @@ def loss_and_grads_1f1b(graphdef, params: nnx.State, rest: nnx.State, batch: dic
                 lax.psum(acc["dstack"], "data"), lax.psum(acc["dother"], both), _scatter_rows(_stage_rows(c["dx"]), 0))
 
     row_spec = P(None, "data")
-    run = jax.shard_map(per_device, in_specs=(P(AXIS), P(AXIS), P(), P(), P(AXIS), P("data", AXIS), row_spec, P()),
+    run = jax.shard_map(per_device, in_specs=(P(AXIS), P(AXIS), P(), P(), P(AXIS), P("data", AXIS), row_spec, P(), P(),
+                                              P(AXIS)),
                         out_specs=(P(), P(), P(AXIS), P(AXIS), P(), P("data", AXIS)), axis_names=set(ONEFONEB_MANUAL))
     loss, post_stats, aux, d_stack, d_other_post, dxs = run(
-        stack_v, rest_stack, other_v, rest_other, valid, _by_stage(x), batch_m, scale)
+        stack_v, rest_stack, other_v, rest_other, valid, _by_stage(x), batch_m, scale, base, slot_keys)
     (d_other_pro,) = pro_vjp(dxs.reshape(-1, *dxs.shape[3:]))
     grads = {**d_stack, **jax.tree.map(jnp.add, d_other_post, d_other_pro)}
     return (loss * scale, {**post_stats, **_stage_aux(aux, layout)}), _state_of(params, grads)

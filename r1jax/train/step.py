@@ -34,7 +34,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from r1jax import weights
+from r1jax import logical, weights
 from r1jax.model import lora as loralib
 from r1jax.config import Config, DType, Schedule
 from r1jax.parallel import mesh as meshlib
@@ -51,8 +51,9 @@ def forward(model, batch: dict, cfg: Config, layout: pipeline.Layout | None, mtp
     """The model's output on `batch`, through the run's pipeline when it has one (GPipe or
     circular; 1F1B interleaves the backward and is the step's own). A batch with "routing" (GRPO's
     Rollout Routing Replay) replays those expert choices. `dropout_key`: training's LoRA dropout
-    (lora.dropout) draws from it; None: none (eval)."""
-    with loralib.dropout(dropout_key, cfg.lora.dropout if cfg.lora.rank else 0.0):
+    (lora.dropout) draws from it, each row by its number in the step's batch (batch["row"]);
+    None: none (eval)."""
+    with loralib.dropout(dropout_key, cfg.lora.dropout if cfg.lora.rank else 0.0, batch.get("row")):
         if layout is None:
             return model(batch["ids"], batch["positions"], batch["segment_ids"], mtp=mtp, routing=batch.get("routing"))
         return pipeline.forward(model, batch, layout=layout, microbatches=cfg.train.microbatches, mtp=mtp)
@@ -119,12 +120,15 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, cfg: Config, mes
         return loss * scale, stats
 
     if layout is not None and cfg.pipeline.schedule is Schedule.onefoneb:
-        def grad_fn(params, rest, mb, tokens, scale, key, *, rows):           # key: None (refused with dropout)
+        def grad_fn(params, rest, mb, tokens, scale, key, *, rows):
             def piece_loss(model, y, piece):
-                out = model.epilogue(y, piece["ids"], piece["positions"], piece["segment_ids"], mtp=objective.mtp)
+                with loralib.rows(piece.get("row")):
+                    out = model.epilogue(y, piece["ids"], piece["positions"], piece["segment_ids"], mtp=objective.mtp)
                 return head_loss(out, piece, objective, tokens, rows)
-            return pipeline.loss_and_grads_1f1b(graphdef, params, rest, mb, layout=layout, microbatches=t.microbatches,
-                                                head_loss=piece_loss, balance_ct=objective.balance_weight / rows, scale=scale)
+            with loralib.dropout(key, cfg.lora.dropout if cfg.lora.rank else 0.0, mb.get("row")):
+                return pipeline.loss_and_grads_1f1b(graphdef, params, rest, mb, layout=layout,
+                                                    microbatches=t.microbatches, head_loss=piece_loss,
+                                                    balance_ct=objective.balance_weight / rows, scale=scale)
     else:
         grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
@@ -133,6 +137,9 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, cfg: Config, mes
         rows = batch["ids"].shape[0]
         tokens, grads_of = jnp.maximum(objective.tokens(batch), 1.0), functools.partial(grad_fn, rows=rows)
         key = dropout_key(cfg, state["step"])
+        if key is not None:
+            # every row's number in the step's batch: its dropout masks follow it through any split
+            batch = {**batch, "row": logical.constrain(jnp.arange(rows, dtype=jnp.int32), "batch")}
         # ZeRO-1: the masters gathered to the model's sharding once, for every microbatch
         model_params = jax.lax.with_sharding_constraint(state["params"], msh) if gather else state["params"]
         if accum == 1:
@@ -141,17 +148,15 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, cfg: Config, mes
             # microbatch a = rows a, a+A, ...: every device keeps the rows it already holds
             micro = jax.tree.map(lambda x: x.reshape(-1, accum, *x.shape[1:]).swapaxes(0, 1), batch)
 
-            def body(carry, xs):
-                mb, a = xs                                  # a: the microbatch's number (its dropout masks)
-                out, g = grads_of(model_params, state["rest"], mb, tokens, scale,
-                                  None if key is None else jax.random.fold_in(key, a))
+            def body(carry, mb):
+                out, g = grads_of(model_params, state["rest"], mb, tokens, scale, key)   # masks: by mb["row"]
                 g = jax.lax.with_sharding_constraint(g, msh)
                 return jax.tree.map(jnp.add, carry, (out, g)), None
 
             first = jax.tree.map(lambda x: x[0], micro)
             zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(
                 grads_of, model_params, state["rest"], first, tokens, scale, key))
-            ((loss, stats), grads), _ = jax.lax.scan(body, zeros, (micro, jnp.arange(accum)))
+            ((loss, stats), grads), _ = jax.lax.scan(body, zeros, micro)
         grads = jax.lax.with_sharding_constraint(jax.tree.map(lambda g: g / scale, grads), msh)
         if gather:                                         # ZeRO-1: reduce-scattered to the masters' shards
             grads = jax.lax.with_sharding_constraint(grads, zsh)
