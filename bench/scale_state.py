@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
               "config and meshes, measured by hand with the step's `cost_analysis()`), every stage computed "
               "the embedding, dense prefix, head, MTP and loss for all of its data shard's rows: 6.875e8 FLOPs "
               "per device under gpipe and 4.395e8 under 1f1b (57.1 and 20.0 MiB temp). Before their parameters "
-              "were sharded over `pipeline` too (this script at 846de18, 2026-12-03), a device of either pipeline "
+              "were sharded over `pipeline` too (this table as recorded on 2026-12-03), a device of either pipeline "
               "mesh held 3,991 KiB of param+opt with zero1 off and 998 KiB with it on, and GPipe's temp was "
               "55,355 KiB (zero1 off), 1F1B's 17,828 KiB.", ""]
     md = "\n".join(lines)
