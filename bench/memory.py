@@ -293,8 +293,8 @@ def main(argv: list[str] | None = None) -> int:
         span = f"{lo:.2f}x" if f"{lo:.2f}" == f"{hi:.2f}" else f"{lo:.2f}-{hi:.2f}x"
         pads = [r for r in pp_rows if r["pipeline"]["slots"] and r["pipeline"]["slots"] > r["pipeline"]["moe_layers"]]
         summary.append(
-            f"Pipeline stages split only the MoE stack (the embedding, dense prefix, head and MTP stay whole on every "
-            f"stage), so (data x pipeline) meshes hold {span} of data8's state per device"
+            f"Pipeline stages split the MoE stack into their slots and shard the embedding, dense prefix, head and "
+            f"MTP over `pipeline` as fsdp does, so (data x pipeline) meshes hold {span} of data8's state per device"
             + (f"; with {pads[0]['pipeline']['moe_layers']} MoE layers in {pads[0]['pipeline']['slots']} slots, "
                f"{pads[0]['pipeline']['slots'] - pads[0]['pipeline']['moe_layers']} slots are zero pads." if pads else "."))
     if growth:
