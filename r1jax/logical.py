@@ -56,12 +56,13 @@ def spec(*names: str | None) -> PartitionSpec:
     out = []
     for n in names:
         entry = None if n is None else _without(rules[n], used)
-        used.update(_axes(entry))
+        used.update(axes_of(entry))
         out.append(entry)
     return PartitionSpec(*out)
 
 
-def _axes(entry) -> tuple[str, ...]:
+def axes_of(entry) -> tuple[str, ...]:
+    """A PartitionSpec entry (None, a mesh axis, or a tuple of them) as a tuple of mesh axes."""
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
@@ -83,9 +84,8 @@ def mesh_axes(name: str) -> tuple[str, ...]:
     if not rules_active():
         return ()
     entry = spec(name)[0] if len(spec(name)) else None
-    axes = () if entry is None else (tuple(entry) if isinstance(entry, tuple) else (entry,))
     mesh = jax.sharding.get_abstract_mesh()
-    return tuple(a for a in axes if mesh.shape[a] > 1)
+    return tuple(a for a in axes_of(entry) if mesh.shape[a] > 1)
 
 
 def constrain(x: jax.Array, *names: str | None) -> jax.Array:

@@ -96,6 +96,7 @@ from pathlib import Path
 from typing import Any
 
 from r1jax import config as configlib
+from r1jax import logical
 from r1jax.config import AttentionImpl, Config, ConfigError, DType, MeshConfig, MoEDispatch, Remat, Schedule
 
 AXES = configlib.MESH_AXES
@@ -163,18 +164,13 @@ def _lora(cfg: Config) -> configlib.LoraConfig | None:
     return dataclasses.replace(cfg.lora, targets=tuple(cfg.lora.targets)) if cfg.lora.rank else None
 
 
-def _as_axes(entry) -> tuple[str, ...]:
-    """A sharding entry (None, an axis, or a tuple of axes) as a tuple of mesh axes."""
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
 @functools.cache
 def _rule(name: str | None) -> tuple[str, ...]:
     """Mesh axes a logical axis name maps to under LOGICAL_RULES (first match wins)."""
     from r1jax.parallel.mesh import LOGICAL_RULES
     for key, axes in LOGICAL_RULES:
         if key == name:
-            return _as_axes(axes)
+            return logical.axes_of(axes)
     return ()
 
 
@@ -216,7 +212,7 @@ def _zero1_shape(shape: tuple[int, ...], dim_axes: DimAxes, mesh: dict[str, int]
 
     from r1jax.train.state import zero1_spec
     spec = zero1_spec(tuple(shape), PartitionSpec(*(axes or None for axes in dim_axes)), mesh)
-    return _split_shape(shape, tuple(_as_axes(e) for e in spec), mesh)
+    return _split_shape(shape, tuple(logical.axes_of(e) for e in spec), mesh)
 
 
 def _layout(cfg: Config, mesh: dict[str, int]):

@@ -32,6 +32,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from r1jax import logical
 from r1jax.config import Config, DType
 from r1jax.parallel import mesh as meshlib
 from r1jax.parallel import pipeline
@@ -68,10 +69,6 @@ def _counters(cfg: Config) -> dict:
 ZERO1_AXES = ("data", "expert")
 
 
-def _axes(entry) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
 def zero1_spec(shape: tuple[int, ...], spec: PartitionSpec, axis_sizes: Mapping[str, int]) -> PartitionSpec:
     """The ZeRO-1 spec of a leaf of `shape` whose model sharding is `spec`, on a mesh of
     `axis_sizes` ({axis: size}): mesh axes `data` and `expert` (expert only when `spec` does not
@@ -83,15 +80,15 @@ def zero1_spec(shape: tuple[int, ...], spec: PartitionSpec, axis_sizes: Mapping[
     The new axes go after the dimension's own, so each model shard is split further: the step's
     gather back to the model sharding is an all-gather over the new axes alone."""
     entries = list(spec) + [None] * (len(shape) - len(spec))
-    used = {a for e in entries for a in _axes(e)}
+    used = {a for e in entries for a in logical.axes_of(e)}
     new = tuple(a for a in ZERO1_AXES if a not in used and axis_sizes.get(a, 1) > 1)
     for axes in dict.fromkeys([new, tuple(a for a in new if a == "data")]):
         if not axes:
             continue
         k = math.prod(axis_sizes[a] for a in axes)
         for i, (n, e) in enumerate(zip(shape, entries)):
-            if n % (math.prod(axis_sizes[a] for a in _axes(e)) * k) == 0:
-                joined = _axes(e) + axes
+            if n % (math.prod(axis_sizes[a] for a in logical.axes_of(e)) * k) == 0:
+                joined = logical.axes_of(e) + axes
                 entries[i] = joined[0] if len(joined) == 1 else joined
                 return PartitionSpec(*entries)
     return spec
