@@ -16,7 +16,7 @@ from r1jax import config as configlib
 from r1jax import weights
 from r1jax.config import DType, InferConfig
 from r1jax.data import tokenizer as toklib
-from r1jax.infer.generator import Generator, Request
+from r1jax.infer.generator import Generator, Request, Stream
 from r1jax.parallel import mesh as meshlib
 
 from pathlib import Path
@@ -153,6 +153,20 @@ def test_stop_strings_and_streaming_keep_whole_characters(tiny, unicode_tok):
                          on_text=lambda i, d: streamed.append(d))[0]
     assert "".join(streamed) == again.completion == text
 
+
+
+def test_a_completion_cut_inside_a_character_ends_as_its_whole_decode(unicode_tok):
+    """A completion whose last tokens are the first 3 bytes of a 4-byte character: the stream
+    held them back waiting for the 4th; the final text (and what was streamed) is the whole
+    decode, U+FFFD for the bytes, as transformers' decode gives it."""
+    ids = unicode_tok.encode("va \U0001D11E").ids[:-1]          # G clef, cut before its last byte
+    streamed = []
+    st = Stream(Request((1,), max_new_tokens=8), unicode_tok, streamed.append)
+    st.push(ids, [0.0] * len(ids), [[]] * len(ids), [[]] * len(ids))
+    held = st.text
+    c = st.finish(stopped=False)
+    assert c.completion == unicode_tok.decode(ids, skip_special_tokens=True) != held
+    assert "".join(streamed) == c.completion and c.completion.endswith("\ufffd")
 
 @pytest.mark.slow
 @pytest.mark.parametrize("axes", [dict(data=2, tensor=4), dict(expert=4, data=2)])

@@ -69,11 +69,11 @@ class MetricsWriter:
         self.events: list[dict] = []     # event records (rollbacks, spikes, alerts), likewise
         self.t0 = time.time()
         if self.active:
-            from tensorboardX import SummaryWriter
+            from tensorboardX import FileWriter
             path = self.run_dir / "metrics.jsonl"
             if path.is_file():
                 self.records, self.events = read_records(path)
-            self.tb = SummaryWriter(logdir=str(self.run_dir / "tensorboard"), flush_secs=5)
+            self.tb = FileWriter(str(self.run_dir / "tensorboard"), flush_secs=5)
             self.jsonl = open(path, "a")
             if self.jsonl.tell() and _last_byte(path) != b"\n":
                 self.jsonl.write("\n")      # a line cut short by a kill must not swallow the next record
@@ -85,12 +85,12 @@ class MetricsWriter:
         self.records.append(rec)
         self.jsonl.write(json.dumps(rec) + "\n")
         self.jsonl.flush()
-        for k, v in values.items():
-            if isinstance(v, (int, float)) and math.isfinite(v):
-                self.tb.add_scalar(f"{prefix}/{k}", v, step)
-            elif k == "expert_imbalance_layers":
-                for i, x in enumerate(v):
-                    self.tb.add_scalar(f"moe/imbalance_layer_{i}", x, step)
+        from tensorboardX.proto.summary_pb2 import Summary
+        scalars = [(f"{prefix}/{k}", v) for k, v in values.items() if isinstance(v, (int, float)) and math.isfinite(v)]
+        scalars += [(f"moe/imbalance_layer_{i}", x) for i, x in enumerate(values.get("expert_imbalance_layers", ()))]
+        # one event holding the record's scalars: SummaryWriter.add_scalar writes an event per
+        # scalar and costs about 0.1 ms each (tiny GRPO logs 31 a step: 2.5 ms of a 105 ms step)
+        self.tb.add_summary(Summary(value=[Summary.Value(tag=t, simple_value=float(v)) for t, v in scalars]), step)
 
     def event(self, step: int, kind: str, fields: dict) -> None:
         """Something that happened rather than a measurement (a rollback, a loss spike, an alert):
@@ -101,7 +101,8 @@ class MetricsWriter:
         self.events.append(rec)
         self.jsonl.write(json.dumps(rec) + "\n")
         self.jsonl.flush()
-        self.tb.add_text(f"events/{kind}", json.dumps(fields), step)
+        from tensorboardX.summary import text
+        self.tb.add_summary(text(f"events/{kind}", json.dumps(fields)), step)
 
     def last(self, split: str = "train") -> dict:
         """The last record of `split` ("train" or "eval") written to the run's metrics.jsonl, by
