@@ -3,17 +3,16 @@
 jax2onnx converts a traced function primitive by primitive, and onnxruntime runs the result.
 Three things stand between r1jax's greedy functions and that, each handled here:
 
-- jax2onnx replaces some high-level functions while it traces (`jax.random.categorical` and
-  `jax.random.normal` without a vmap rule, `lax.fori_loop` needing a concrete trip count), and
-  r1jax calls them under vmap (the sampler's per-row keys, `nnx.vmap` building the layer
-  stacks) and with data-dependent trip counts (the `grouped` expert dispatch). So the functions
-  are traced to a jaxpr first, with jax's own tracing, and jax2onnx converts that jaxpr's
-  primitives (`while`, `cond`, `scatter`, ...).
+- jax2onnx replaces some high-level functions while it traces (`jax.random.normal` without a
+  vmap rule, `lax.fori_loop` needing a concrete trip count), and r1jax calls them under vmap
+  (`nnx.vmap` building the layer stacks) and with data-dependent trip counts (the `grouped`
+  expert dispatch). So the functions are traced to a jaxpr first, with jax's own tracing, and
+  jax2onnx converts that jaxpr's primitives (`while`, `cond`, `scatter`, ...).
 - The sampler's random branch is never taken at temperature 0, but it is traced (a `cond`), and
-  jax2onnx writes `random_bits` as ONNX `RandomUniform` (not JAX's threefry stream) and
-  `bitcast_convert_type` as opset 26's `BitCast`, which an opset-23 model may not hold
-  (onnxruntime 1.32: "No Op registered for BitCast with domain_version of 23"; at opset 26 it
-  fails on its own `Swish(24)` fusion instead). The exported functions fix temperature 0, so
+  jax2onnx writes its `bitcast_convert_type` (Threefry's words made floats) as opset 26's
+  `BitCast`, which an opset-23 model may not hold (onnxruntime 1.32: "No Op registered for
+  BitCast with domain_version of 23"; at opset 26 it fails on its own `Swish(24)` fusion
+  instead). The exported functions fix temperature 0, so
   `specialise` folds the constants and keeps only the `cond` branch that runs: the graphs hold
   no random op at all (`convert` checks).
 - Two jax2onnx outputs that onnxruntime refuses (`fix_for_onnxruntime`): `Where` on bool tensors

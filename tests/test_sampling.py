@@ -12,7 +12,9 @@ from scipy import stats
 from transformers.generation.logits_process import (MinPLogitsWarper, TemperatureLogitsWarper,
                                                     TopKLogitsWarper, TopPLogitsWarper)
 
-from r1jax.infer.sampling import Sampling, argmax, filtered_logits, logprobs, sample
+from jax.extend.random import threefry_2x32
+
+from r1jax.infer.sampling import Sampling, argmax, filtered_logits, logprobs, sample, threefry2x32
 
 W = 50
 
@@ -114,13 +116,35 @@ def test_chunked_argmax_is_jnp_argmax(width, chunk):
     assert got.dtype == jnp.int32
 
 
-def test_draws_are_jax_categorical_of_the_filtered_logits():
-    """The sampler's Gumbel-max (its noise, a chunked argmax) draws exactly the token
-    jax.random.categorical draws from the filtered logits under the same per-row key."""
-    n, width = 256, 700                     # past the argmax's 256-logit chunks
-    logits = jnp.asarray(np.random.default_rng(3).normal(size=(n, width)).astype(np.float32) * 3)
+def test_threefry_is_jax_threefry():
+    """The sampler's written-out Threefry-2x32 gives jax's own threefry words bit for bit."""
+    r = np.random.default_rng(5)
+    for _ in range(4):
+        key = r.integers(0, 2 ** 32, 2, dtype=np.uint32)
+        count = r.integers(0, 2 ** 32, 256, dtype=np.uint32)
+        want = np.asarray(threefry_2x32(jnp.asarray(key), jnp.asarray(count)))   # halves as (x0, x1)
+        x0, x1 = jax.jit(threefry2x32)(key[0], key[1], count[:128], count[128:])
+        np.testing.assert_array_equal(np.concatenate([np.asarray(x0), np.asarray(x1)]), want)
+
+
+def test_two_stage_draws_follow_the_filtered_softmax():
+    """Chunk, then token inside it: the draws over 700 logits (22 chunks of 32, the last one
+    partial) at temperature 0.8 and top-p 0.9 follow softmax of the filtered logits (chi-square
+    over the tokens expected 5+ times, the rest pooled) and stay in the kept set."""
+    n, width = 60000, 700
+    logits = np.random.default_rng(6).normal(size=(1, width)).astype(np.float32) * 1.5
     rows = _rows(n, temperature=0.8, top_p=0.9)
-    index = jnp.arange(n, dtype=jnp.int32) % 7
-    keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(rows.seed, index.astype(jnp.uint32))
-    want = jax.vmap(jax.random.categorical)(keys, filtered_logits(logits, rows))
-    np.testing.assert_array_equal(np.asarray(jax.jit(sample)(logits, rows, index)), np.asarray(want))
+    z = np.asarray(filtered_logits(jnp.asarray(logits), _rows(1, temperature=0.8, top_p=0.9)))[0]
+    draws = np.asarray(jax.jit(sample)(jnp.asarray(np.tile(logits, (n, 1))), rows, jnp.full(n, 3, jnp.int32)))
+    assert np.isfinite(z[draws]).all()
+    p = np.exp(z.astype(np.float64) - z.max())
+    p /= p.sum()
+    counts = np.bincount(draws, minlength=width)
+    big = p * n >= 5
+    small = (p > 0) & ~big
+    obs = np.append(counts[big], counts[small].sum()) if small.any() else counts[big]
+    exp = (np.append(p[big], p[small].sum()) if small.any() else p[big]) * n
+    exp *= obs.sum() / exp.sum()
+    chi = stats.chisquare(obs, exp)
+    print(f"chi-square over {n} draws, {big.sum()} tokens{' + pooled' if small.any() else ''}: p = {chi.pvalue:.3f}")
+    assert chi.pvalue > 0.01
