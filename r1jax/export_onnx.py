@@ -1,7 +1,7 @@
 """`python -m r1jax.export --format onnx`: the exported prefill and decode as ONNX graphs.
 
 jax2onnx converts a traced function primitive by primitive, and onnxruntime runs the result.
-Three things stand between r1jax's greedy functions and that, each handled here:
+Four things stand between r1jax's greedy functions and that, each handled here:
 
 - jax2onnx replaces some high-level functions while it traces (`jax.random.normal` without a
   vmap rule, `lax.fori_loop` needing a concrete trip count), and r1jax calls them under vmap
@@ -15,6 +15,8 @@ Three things stand between r1jax's greedy functions and that, each handled here:
   instead). The exported functions fix temperature 0, so
   `specialise` folds the constants and keeps only the `cond` branch that runs: the graphs hold
   no random op at all (`convert` checks).
+- jax2onnx converts a `cond` of two branches only, and the `grouped` dispatch switches over the
+  experts: a `switch` becomes a chain of two-way conds (`_switch`).
 - Two jax2onnx outputs that onnxruntime refuses (`fix_for_onnxruntime`): `Where` on bool tensors
   (onnxruntime's CPU `Where` has no bool kernel: "Could not find an implementation for Where(16)")
   goes through uint8, and a `Reshape` of a zero-size tensor (a scatter whose index vector has no
@@ -68,6 +70,8 @@ def _run(jaxpr: jcore.Jaxpr, consts: Sequence, args: Sequence) -> list:
         elif name == "cond" and _concrete(ins[0]):
             branch = params["branches"][int(np.asarray(ins[0]))]
             outs = _run(branch.jaxpr, branch.consts, ins[1:])
+        elif name == "cond" and len(params["branches"]) > 2:
+            outs = _switch(params["branches"], ins[0], ins[1:])
         elif name == "while":
             outs = _while(params, ins)
         else:
@@ -83,6 +87,16 @@ def _run(jaxpr: jcore.Jaxpr, consts: Sequence, args: Sequence) -> list:
             if not isinstance(v, jcore.DropVar):
                 env[v] = x
     return [read(v) for v in jaxpr.outvars]
+
+
+def _switch(branches, index, ops) -> list:
+    """A `switch` over n > 2 branches as a chain of two-way conds (jax2onnx converts a `cond` of
+    two branches only; the `grouped` expert dispatch switches over the experts)."""
+    first = lambda o: _run(branches[0].jaxpr, branches[0].consts, o)
+    if len(branches) == 1:
+        return first(ops)
+    rest = lambda o: _switch(branches[1:], index - 1, o)
+    return jax.lax.cond(index == 0, first, rest, ops)
 
 
 def _while(params, ins) -> list:

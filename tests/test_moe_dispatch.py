@@ -53,17 +53,21 @@ def test_dispatch_equals_per_expert_loop(kind, kw):
     assert dy < 1e-5 and dg < 1e-5
 
 
-@pytest.mark.parametrize("tile", [1, 3, 8, 256])
+@pytest.mark.parametrize("tile,tokens", [(1, T), (3, T), (8, T), (256, T), (1, 1)])
 @pytest.mark.parametrize("layout", ["separate", "stacked"])
-def test_grouped_equals_per_expert_loop(tile, layout):
+def test_grouped_equals_per_expert_loop(tile, tokens, layout):
     """`grouped` (inference only: forward) with the experts as separate arrays (the generator's
-    layout) or stacked; any tile, including ones that split an expert's run and one past all pairs."""
+    layout) or stacked; any tile, including ones that split an expert's run and one past all
+    pairs; one token's pairs take the unrolled tiles (a decode step at batch 1)."""
     x, router, bias, experts = _inputs()
+    x = x[:tokens]
     wts, idx, _ = route(x, router, bias, CFG)
     y_ref, _ = dispatch.routed_loop(x, wts, idx, *experts)
     if layout == "separate":
         experts = [tuple(a[e] for e in range(E)) for a in experts]
     y, dropped = jax.jit(lambda x, w, i, ex: dispatch.routed_grouped(x, w, i, *ex, tile=tile))(x, wts, idx, experts)
+    if tile == 1:                      # one token: the unrolled tiles; T tokens: the loop
+        assert (tokens * K <= dispatch.UNROLL_TILES) == (tokens == 1)
     assert int(dropped) == 0
     assert float(jnp.abs(y - y_ref).max()) < 1e-5
 
