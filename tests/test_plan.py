@@ -57,7 +57,8 @@ def dsv3():
 
 
 def test_deepseek_parameter_bytes_are_16_bytes_per_parameter_over_their_shards(dsv3):
-    cfg, n = dsv3
+    _, n = dsv3
+    cfg = configlib.load(DSV3, ["optim.zero1=false", "optim.moment_dtype=fp32"])
     # replicated (data only): every device holds fp32 params + grads + AdamW mu, nu = 16 B/param
     r = plan.evaluate(cfg, {**dict.fromkeys(plan.AXES, 1), "data": 64}, "h100-80gb")
     assert r["params"] == 4 * n.total == r["params_global"]
@@ -160,35 +161,36 @@ def _run(argv: list[str], tmp_path) -> dict:
 
 
 def test_cli_mesh_replaces_the_config_mesh_before_validation(tmp_path, capsys):
-    """--mesh replaces the YAML's mesh (fsdp 8 x expert 8) before the overrides are validated:
+    """--mesh replaces the YAML's mesh (DeepSeek's 2048 GPUs) before the overrides are validated:
     64 pipeline microbatches of 32 rows divide over expert 32's 32 batch shards, not over the
-    YAML's 64, and the layout (expert parallelism inside stages) is planned."""
+    YAML's 2048, and the layout (expert parallelism inside stages) is planned."""
     data = _run(["--config", str(DSV3), "--mesh", "pipeline=8,expert=32", "--nodes", "32",
                  "train.global_batch_size=2048", "train.grad_accum=4", "train.microbatches=16"], tmp_path)
     assert data["mesh"] == {"data": 1, "fsdp": 1, "tensor": 1, "expert": 32, "pipeline": 8}
     assert data["refused"] is None and data["rows_per_stage_microbatch"] == 1
     # with 1024 rows the pipeline microbatches hold 16 rows: the error names --mesh's 32 shards
     argv = ["--config", str(DSV3), "--mesh", "pipeline=8,expert=32", "--nodes", "32", "--hardware", "h100-80gb",
-            "--no-search", "train.grad_accum=4", "train.microbatches=16"]
+            "--no-search", "train.global_batch_size=1024", "train.grad_accum=4", "train.microbatches=16"]
     assert plan.main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "train.microbatches=16" in err and "(32)" in err, err
 
 
 def test_cli_without_mesh_plans_the_config_mesh(tmp_path):
-    """Without --mesh: the YAML's fsdp 8 x expert 8 with data -1 filled in from --nodes; and
-    mesh.* overrides, dcn sizes included (DeepSeek's layout)."""
-    data = _run(["--config", str(DSV3), "--nodes", "16"], tmp_path)
-    assert data["mesh"] == {"data": 2, "fsdp": 8, "tensor": 1, "expert": 8, "pipeline": 1}
-    assert data["dcn"] == dict.fromkeys(plan.AXES, 1)
-    layout = ["mesh.data=2", "mesh.fsdp=1", "mesh.expert=64", "mesh.pipeline=16", "mesh.dcn_data=2",
-              "mesh.dcn_expert=8", "mesh.dcn_pipeline=16", "train.global_batch_size=2048",
-              "train.microbatches=16"]
-    data = _run(["--config", str(DSV3), "--nodes", "256", *layout], tmp_path)
+    """Without --mesh: the YAML's own mesh, DeepSeek's layout with its dcn sizes (EP64 over 8 nodes
+    of 8 GPUs, pipeline and data one GPU a node), planned with no refusal on 256 nodes; and
+    mesh.* overrides, a -1 data axis filled in from --nodes."""
+    data = _run(["--config", str(DSV3), "--nodes", "256"], tmp_path)
     assert data["mesh"] == {"data": 2, "fsdp": 1, "tensor": 1, "expert": 64, "pipeline": 16}
     assert data["dcn"] == {"data": 2, "fsdp": 1, "tensor": 1, "expert": 8, "pipeline": 16} and data["refused"] is None
+    assert data["fits"] and isinstance(data["comm_bound"], bool) and data["total"] < 45 * 2**30
     assert {a: (r["gpus_per_node"], r["nodes"]) for a, r in data["comm"]["axes"].items()} == {
         "data": (1, 2), "expert": (8, 8), "pipeline": (1, 16)}
+    flat = ["mesh.data=-1", "mesh.fsdp=8", "mesh.expert=8", "mesh.pipeline=1", "mesh.dcn_data=1",
+            "mesh.dcn_expert=1", "mesh.dcn_pipeline=1", "train.microbatches=1"]
+    data = _run(["--config", str(DSV3), "--nodes", "16", *flat], tmp_path)
+    assert data["mesh"] == {"data": 2, "fsdp": 8, "tensor": 1, "expert": 8, "pipeline": 1}
+    assert data["dcn"] == dict.fromkeys(plan.AXES, 1)
 
 
 @pytest.mark.parametrize("args, says", [
@@ -237,8 +239,8 @@ def test_fsdp32_x_expert8_on_256_h100_fits_but_is_comm_bound():
     """The layout the memory plan fits on 32 nodes (1 row per device) moves ~0.8 TB a step per
     device over IB: fsdp spans 32 nodes with one GPU on each, so every microbatch gathers the
     bf16 weights twice and reduce-scatters fp32 gradients, against ~1 s of compute."""
-    cfg = configlib.load(DSV3, [*H100_256, "train.global_batch_size=256"])
     mesh = {"fsdp": 32, "expert": 8}
+    cfg = plan.load_for_mesh(DSV3, [*H100_256, "train.global_batch_size=256", "train.microbatches=1"], mesh)
     r = plan.plan(cfg, mesh, "h100-80gb", nodes=32, search=False)
     print(f"\n{chr(10).join(plan.comm_report(r['comm']))}\ntotal {r['total'] / 2**30:.2f} GiB")
     assert r["fits"] and r["rows_per_device"] == 1
@@ -265,9 +267,9 @@ def test_deepseek_layout_communication(tmp_path):
     50 GB/s against ~4 us of peak compute (4.2 GFLOP), so this layout is flagged as well, at a
     third of fsdp32 x expert8's ratio. DeepSeek-V3 reaches ~1:1 by sending a token once per node
     (at most 4 nodes), in FP8, and overlapping it (DualPipe), none of which r1jax does."""
-    cfg = configlib.load(DSV3, [*H100_256, "train.global_batch_size=2048", "train.microbatches=16"])
     mesh = {"data": 2, "expert": 64, "pipeline": 16}
     dcn = {"data": 2, "expert": 8, "pipeline": 16}
+    cfg = plan.load_for_mesh(DSV3, [*H100_256, "train.global_batch_size=2048", "train.microbatches=16"], mesh, dcn)
     r = plan.plan(cfg, mesh, "h100-80gb", nodes=256, search=False, dcn=dcn)
     print(f"\n{chr(10).join(plan.comm_report(r['comm']))}\ntotal {r['total'] / 2**30:.2f} GiB")
     axes = r["comm"]["axes"]
@@ -279,7 +281,8 @@ def test_deepseek_layout_communication(tmp_path):
     sent = 3 * 2 * (16 * 4 * buffer(1) + 1 * buffer(1))
     assert axes["expert"]["parts"]["dispatch + combine"] == pytest.approx(sent * 63 / 64, rel=1e-6)
     assert axes["expert"]["ib_bytes"] > 0.9 * sent * 56 / 64
-    fsdp32 = plan.plan(configlib.load(DSV3, [*H100_256, "train.global_batch_size=256"]),
+    fsdp32 = plan.plan(plan.load_for_mesh(DSV3, [*H100_256, "train.global_batch_size=256", "train.microbatches=1"],
+                                          {"fsdp": 32, "expert": 8}),
                        {"fsdp": 32, "expert": 8}, "h100-80gb", nodes=32, search=False)
     assert r["comm"]["ratio"] < fsdp32["comm"]["ratio"] / 2
     assert r["comm_bound"]
