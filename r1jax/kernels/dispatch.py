@@ -21,7 +21,8 @@ weights gate/up [E,D,F], down [E,F,D]; all return (y [T,D], dropped pairs int32 
   tiles (unrolled when there are a few), each multiplied by its expert's weights through a
   `switch` on the expert. Given the experts as tuples of separate [D,F]/[F,D] arrays (the
   generator's layout), only the selected experts' weights are read, once per tile, and never
-  copied; about the useful FLOPs at any batch. Stacked [E,...] weights work too, at the cost of a slice per expert.
+  copied; about the useful FLOPs at any batch. Stacked [E,...] weights work too, at the cost of
+  a slice of the tile's expert.
 """
 from __future__ import annotations
 
