@@ -584,16 +584,20 @@ def _phases(cfg: Config, mesh: dict[str, int], st: dict, g: Geometry) -> list[tu
         # rows, and one stage backward (recomputed from the kept input). A device keeps a ring of
         # 2P-1 stage inputs, the received activation and gradient, the stage outputs, the inputs
         # and input gradients of all M microbatches, and one set of running gradient sums. The
-        # parts outside the stack enter the ticks whole over pipeline (fp32), and their
-        # gradients are summed there whole until the end.
+        # parts outside the stack enter the ticks as stored (1/P a stage), their gradients are
+        # summed there at 1/P, and each tick's epilogue gathers them whole: the head and the MTP
+        # blocks in the compute dtype, the embedding (which the MTP blocks read) in fp32, each
+        # with its fp32 gradient before the reduce-scatter.
         from r1jax.parallel.pipeline import ticks_1f1b
         layout = _layout(cfg, mesh)
         _, ring = ticks_1f1b(P, t.microbatches)
         xs = rs * T * m.hidden_size * dt
-        whole = _state_bytes(m, layout, _key(dict(mesh, pipeline=1)), _lora(cfg))["by_part"]
-        outside = sum(n for k, n in whole.items() if k != "moe_layers")
-        carry = (ring + 2 * t.microbatches + 4) * xs + g_moe + 2 * outside
-        ep = _epilogue(cfg, g, rs // P if rs >= P else rs, 0, local_sort=True)
+        outside = sum(n for k, n in parts.items() if k != "moe_layers")
+        carry = (ring + 2 * t.microbatches + 4) * xs + g_moe + outside
+        depth = m.num_nextn_predict_layers
+        gathered = w_head + depth * _weights_gathered(cfg, mesh, "mtp/0/", 1, dt, stacked=False) + (
+            _weights_gathered(cfg, mesh, "embed", 1, F32, stacked=False) if depth else 0)
+        ep = _epilogue(cfg, g, rs // P if rs >= P else rs, gathered, local_sort=True)
         fwd = layer_working(m, g, True, rs, True) + w_gather
         epi = ep["saved"] + ep["all_logits"] + max(ep["bwd_work"], ep["fwd_work"])
         bwd = layout.chunk * sum(layer_inventory(m, g, True, rs, True).values()) + layer_working(m, g, True, rs, True)
@@ -717,6 +721,15 @@ def _fsdp_traffic(cfg: Config, mesh: dict[str, int]) -> list[tuple[str, str, str
         if f == 1:
             continue
         whole = _state_bytes(cfg.model, layout, _key({**mesh, axis: 1}), lora)
+        # under 1F1B every tick's epilogue gathers the head, the MTP blocks and (for the MTP
+        # blocks' lookups, in fp32) the embedding once for its forward and backward, and
+        # reduce-scatters their gradients (pipeline.loss_and_grads_1f1b)
+        ticked = {}
+        if axis == "pipeline" and cfg.pipeline.schedule is Schedule.onefoneb and cfg.model.num_moe_layers:
+            from r1jax.parallel.pipeline import ticks_1f1b
+            ticks = t.grad_accum * ticks_1f1b(f, t.microbatches)[0]
+            ticked = {"lm_head_DW": (ticks, dt), "final_norm": (ticks, dt), "mtp": (ticks, dt),
+                      **({"embed": (ticks, F32)} if cfg.model.num_nextn_predict_layers else {})}
         # a device lacks (f-1)/f of the leaves the axis splits (the others are whole on it): those
         # leaves whole, the size the ring formulas take, are (whole - own) x f/(f-1)
         for part, n in whole["by_part"].items():
@@ -724,8 +737,13 @@ def _fsdp_traffic(cfg: Config, mesh: dict[str, int]) -> list[tuple[str, str, str
                 continue                                                # the stages' own slots
             calls = t.grad_accum * (t.microbatches if part == "moe_layers" and mesh["pipeline"] > 1 else 1)
             size = (n - own["by_part"][part]) * f / (f - 1)
-            out += [(axis, "weight all-gathers", "all_gather", FSDP_GATHERS * calls * size * dt / F32),
-                    (axis, "gradient reduce-scatters", "all_gather", calls * size)]
+            if part not in ticked or part == "embed":                   # the prologue's embedding
+                out += [(axis, "weight all-gathers", "all_gather", FSDP_GATHERS * calls * size * dt / F32),
+                        (axis, "gradient reduce-scatters", "all_gather", calls * size)]
+            if part in ticked:
+                n_ticks, gdt = ticked[part]
+                out += [(axis, "weight all-gathers", "all_gather", n_ticks * size * gdt / F32),
+                        (axis, "gradient reduce-scatters", "all_gather", n_ticks * size)]
         if whole["frozen"] and axis == "fsdp":                          # LoRA's base weights, as stored
             size = (whole["frozen"] - own["frozen"]) * f / (f - 1)
             out.append((axis, "weight all-gathers", "all_gather", FSDP_GATHERS * t.grad_accum * size))

@@ -107,3 +107,23 @@ def test_epilogue_flops_halve_against_a_whole_data_shard():
         flops[name] = fn.lower(params, *args).compile().cost_analysis()["flops"]
     ratio = flops["pipeline2_data4"] / flops["data4"]
     assert 0.45 < ratio < 0.6, flops
+
+
+def test_1f1b_ticks_carry_only_a_stage_share_of_the_parts_outside():
+    """Under 1F1B the parts outside the stack enter the tick loop as stored (1/P a stage) and
+    their gradients are summed there at 1/P; each tick's epilogue gathers them for its use. So no
+    loop of the compiled step carries the head or the embedding whole (before: both as inputs,
+    and their fp32 gradient sums)."""
+    V = 4096
+    cfg, setup = _setup(PIPE + ["pipeline.schedule=1f1b", f"model.vocab_size={V}"])
+    D = cfg.model.hidden_size
+    text = setup.step.lower(setup.state, tiny_batches(cfg, 1)[0]).compile().as_text()
+    loops = [line for line in text.splitlines() if re.search(r"= \(.*\) while\(", line)]
+    assert loops
+    whole = (f"f32[{D},{V}]", f"f32[{V},{D}]")
+    share = (f"f32[{D // 2},{V}]", f"f32[{V},{D // 2}]")
+    # the tick loop: the one carrying the shares (XLA:CPU's elemental emitters, which other test
+    # files switch on, also lower the per-tick embedding-gradient scatter to a loop of its own)
+    ticks = [line for line in loops if all(s in line for s in share)]
+    assert ticks, "no loop carries the stage shares"
+    assert not [w for line in ticks for w in whole if w in line]

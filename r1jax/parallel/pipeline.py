@@ -35,7 +35,8 @@ stay GSPMD inside each stage):
   `jax.vjp`, recomputed from the stage input it kept (a ring of 2P-1 inputs, not the residuals
   of all M). The last stage's output is scattered over the stages by rows; each runs the
   epilogue and loss on 1/P of them and the rows' gradients go back to the last stage, which runs
-  that microbatch's backward in the same tick. M+2P-2 ticks of one forward and one backward.
+  that microbatch's backward in the same tick, gathering the epilogue's parameters (1/P a stage
+  in the loop) for it. M+2P-2 ticks of one forward and one backward.
 Bubble fraction (P-1)/(M*R+P-1) for gpipe and circular (R=1 except circular), (2P-2)/(M+2P-2)
 for 1f1b: `bubble()`.
 """
@@ -373,6 +374,35 @@ def _partition(state: nnx.State):
             {k: a for k, a in flat.items() if not k.startswith("moe_layers/")})
 
 
+def _pipe_dims(state: nnx.State) -> dict[str, int | None]:
+    """{"a/b/c": the dimension the `pipeline` axis splits (None: none)} of each leaf, by its
+    logical names under the active rules (outside the stack, `embed` is over fsdp and pipeline)."""
+    out = {}
+    for p, v in nnx.to_flat_state(state):
+        names = logical.names_of(v)
+        entries = tuple(logical.spec(*names)) if names and logical.rules_active() else ()
+        out[_key(p)] = next((d for d, e in enumerate(entries) if AXIS in logical.axes_of(e)), None)
+    return out
+
+
+def _gather_cast(a: jax.Array, dim: int, dtype) -> jax.Array:
+    """A leaf's 1/P share (split over `pipeline` along `dim`) gathered whole in `dtype`; its
+    gradient reduce-scattered back in the leaf's own dtype (fp32: the stages' parts summed in
+    fp32, as the whole fp32 leaf's gradient was)."""
+    @jax.custom_vjp
+    def gather(x):
+        return lax.all_gather(x.astype(dtype), AXIS, axis=dim, tiled=True)
+
+    def fwd(x):
+        return gather(x), None
+
+    def bwd(_, ct):
+        return (lax.psum_scatter(ct.astype(a.dtype), AXIS, scatter_dimension=dim, tiled=True),)
+
+    gather.defvjp(fwd, bwd)
+    return gather(a)
+
+
 def _state_of(template: nnx.State, values: dict) -> nnx.State:
     """`template` with its leaves taken from `values` (those it has)."""
     return nnx.from_flat_state([(p, v.replace(values[_key(p)])) for p, v in nnx.to_flat_state(template)
@@ -383,7 +413,7 @@ ONEFONEB_MANUAL = (AXIS, "data")
 
 
 def loss_and_grads_1f1b(graphdef, params: nnx.State, rest: nnx.State, batch: dict, *, layout: Layout,
-                        microbatches: int, head_loss, balance_ct: float, scale):
+                        microbatches: int, head_loss, balance_ct: float, scale, mtp: bool = True):
     """One (grad_accum) microbatch under 1F1B: ((loss * scale, stats), grads of params).
 
     `head_loss(model, y, piece)` -> (loss, stats) is the epilogue and objective of one piece of
@@ -398,13 +428,26 @@ def loss_and_grads_1f1b(graphdef, params: nnx.State, rest: nnx.State, batch: dic
     in-process collectives wait for every device of the program, and a per-stage branch holding
     one deadlocks. The epilogue (head, MTP, loss) of the last stage's output is shared: the
     output's rows are scattered over the stages, each runs the epilogue's forward and backward
-    on 1/P of them, and the rows' gradients are gathered back to the last stage. `pipeline` and
-    `data` are manual; the gradient sums over `data` run once, at the end."""
+    on 1/P of them, and the rows' gradients are gathered back to the last stage. The parameters
+    outside the stack stay 1/P a stage through the ticks (as stored, `embed` over pipeline):
+    each tick gathers those its epilogue reads (`mtp`: the MTP blocks and the embedding too) and
+    reduce-scatters their gradients into 1/P sums. `pipeline` and `data` are manual; the
+    gradient sums over `data` run once, at the end."""
     M, Ps = microbatches, layout.stages
     ticks, ring = ticks_1f1b(Ps, M)
     stack_v, other_v = _partition(params)
     rest_stack, rest_other = _partition(rest)
     model = nnx.merge(graphdef, params, rest)
+    # the parts outside the stack enter the ticks as they are stored, 1/P a stage (`embed` over
+    # pipeline), and each tick's epilogue gathers those it reads (with `mtp`, the MTP blocks and
+    # the embedding too): in the compute dtype where the model casts at use anyway, in fp32 for
+    # the router (fp32 routing) and the embedding (its lookup's gradient sums rows in the table's
+    # dtype). The memory of one gathered copy at a time, for a gather and a reduce-scatter every
+    # tick (plan.py counts both).
+    dims = {k: d for k, d in _pipe_dims(params).items() if k in other_v}
+    reads = ("final_norm", "lm_head") + (("mtp/", "embed/") if mtp else ())
+    gathered = {k for k, d in dims.items() if d is not None and k.startswith(reads)}
+    keep = {k for k in other_v if "router" in k or k.startswith("embed")}
     layers_state = nnx.state(model.moe_layers.layers)
 
     def prologue(other):
@@ -443,7 +486,9 @@ def loss_and_grads_1f1b(graphdef, params: nnx.State, rest: nnx.State, batch: dic
                            bm["row"][m] if "row" in bm else None)
             return (y, aux["balance"].sum()), aux
 
-        def post(other_, y, m):
+        def post(shares, y, m):
+            other_ = {k: _gather_cast(a, dims[k], a.dtype if k in keep else model.dtype) if k in gathered else a
+                      for k, a in shares.items()}
             mdl = nnx.merge(graphdef, _state_of(params, {**stack, **other_}),
                             _state_of(rest, {**rstack, **rother}))
             piece = {k: lax.dynamic_slice_in_dim(v[m], s * piece_rows, piece_rows) for k, v in bm.items()}
@@ -462,7 +507,10 @@ def loss_and_grads_1f1b(graphdef, params: nnx.State, rest: nnx.State, batch: dic
             (y, bal), aux = stage_w(stack, x_f, f)
             # the epilogue of the last stage's output, 1/P of its rows on each stage
             y_piece = lax.psum_scatter(jnp.where(last, y, jnp.zeros_like(y)), AXIS, scatter_dimension=0, tiled=True)
-            loss, back, stats = jax.vjp(lambda ot, yy: post(ot, yy, e), other, y_piece, has_aux=True)
+            # tied to the tick, so XLA cannot hoist the gathers out of the loop (which would keep
+            # the parts whole through every tick)
+            shares, _ = lax.optimization_barrier((other, t))
+            loss, back, stats = jax.vjp(lambda ot, yy: post(ot, yy, e), shares, y_piece, has_aux=True)
             d_other, d_piece = back(vary(jnp.where(on_e, scale, jnp.zeros_like(scale))))
             dy_last = lax.all_gather(d_piece, AXIS, axis=0, tiled=True)
             # backward of microbatch b, recomputed from its kept input
@@ -492,13 +540,17 @@ def loss_and_grads_1f1b(graphdef, params: nnx.State, rest: nnx.State, batch: dic
         c, _ = lax.scan(tick, carry0, jnp.arange(ticks))
         acc = c["acc"]
         both = ONEFONEB_MANUAL
+        # a gathered leaf's gradient is already summed over the stages (its gather's transpose), a
+        # share the epilogue does not read has none
+        dother = {k: lax.psum(g, "data" if dims[k] is not None else both) for k, g in acc["dother"].items()}
         return (lax.psum(acc["loss"], both), lax.psum(acc["post"], both), lax.psum(acc["aux"], "data"),
-                lax.psum(acc["dstack"], "data"), lax.psum(acc["dother"], both), _scatter_rows(_stage_rows(c["dx"]), 0))
+                lax.psum(acc["dstack"], "data"), dother, _scatter_rows(_stage_rows(c["dx"]), 0))
 
     row_spec = P(None, "data")
-    run = jax.shard_map(per_device, in_specs=(P(AXIS), P(AXIS), P(), P(), P(AXIS), P("data", AXIS), row_spec, P(), P(),
-                                              P(AXIS)),
-                        out_specs=(P(), P(), P(AXIS), P(AXIS), P(), P("data", AXIS)), axis_names=set(ONEFONEB_MANUAL))
+    share = {k: P(*[AXIS if i == d else None for i in range(d + 1)]) if d is not None else P() for k, d in dims.items()}
+    run = jax.shard_map(per_device, in_specs=(P(AXIS), P(AXIS), share, P(), P(AXIS), P("data", AXIS), row_spec, P(),
+                                              P(), P(AXIS)),
+                        out_specs=(P(), P(), P(AXIS), P(AXIS), share, P("data", AXIS)), axis_names=set(ONEFONEB_MANUAL))
     loss, post_stats, aux, d_stack, d_other_post, dxs = run(
         stack_v, rest_stack, other_v, rest_other, valid, _by_stage(x), batch_m, scale, base, slot_keys)
     (d_other_pro,) = pro_vjp(dxs.reshape(-1, *dxs.shape[3:]))

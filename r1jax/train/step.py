@@ -128,7 +128,8 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, cfg: Config, mes
             with loralib.dropout(key, cfg.lora.dropout if cfg.lora.rank else 0.0, mb.get("row")):
                 return pipeline.loss_and_grads_1f1b(graphdef, params, rest, mb, layout=layout,
                                                     microbatches=t.microbatches, head_loss=piece_loss,
-                                                    balance_ct=objective.balance_weight / rows, scale=scale)
+                                                    balance_ct=objective.balance_weight / rows, scale=scale,
+                                                    mtp=objective.mtp)
     else:
         grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
