@@ -721,13 +721,12 @@ def _fsdp_traffic(cfg: Config, mesh: dict[str, int]) -> list[tuple[str, str, str
         if f == 1:
             continue
         whole = _state_bytes(cfg.model, layout, _key({**mesh, axis: 1}), lora)
-        # under 1F1B every tick's epilogue gathers the head, the MTP blocks and (for the MTP
-        # blocks' lookups, in fp32) the embedding once for its forward and backward, and
-        # reduce-scatters their gradients (pipeline.loss_and_grads_1f1b)
+        # under 1F1B each of the M ticks that run an epilogue gathers the head, the MTP blocks
+        # and (for the MTP blocks' lookups, in fp32) the embedding once for its forward and
+        # backward, and reduce-scatters their gradients (pipeline.loss_and_grads_1f1b)
         ticked = {}
         if axis == "pipeline" and cfg.pipeline.schedule is Schedule.onefoneb and cfg.model.num_moe_layers:
-            from r1jax.parallel.pipeline import ticks_1f1b
-            ticks = t.grad_accum * ticks_1f1b(f, t.microbatches)[0]
+            ticks = t.grad_accum * t.microbatches
             ticked = {"lm_head_DW": (ticks, dt), "final_norm": (ticks, dt), "mtp": (ticks, dt),
                       **({"embed": (ticks, F32)} if cfg.model.num_nextn_predict_layers else {})}
         # a device lacks (f-1)/f of the leaves the axis splits (the others are whole on it): those

@@ -36,7 +36,8 @@ stay GSPMD inside each stage):
   of all M). The last stage's output is scattered over the stages by rows; each runs the
   epilogue and loss on 1/P of them and the rows' gradients go back to the last stage, which runs
   that microbatch's backward in the same tick, gathering the epilogue's parameters (1/P a stage
-  in the loop) for it. M+2P-2 ticks of one forward and one backward.
+  in the loop) for it; the 2P-2 ticks with no microbatch at the last stage skip the epilogue.
+  M+2P-2 ticks of one forward and one backward.
 Bubble fraction (P-1)/(M*R+P-1) for gpipe and circular (R=1 except circular), (2P-2)/(M+2P-2)
 for 1f1b: `bubble()`.
 """
@@ -505,14 +506,21 @@ def loss_and_grads_1f1b(graphdef, params: nnx.State, rest: nnx.State, batch: dic
             x_f = jnp.where(s == 0, xm[f], c["recv_f"])
             inp = c["inp"].at[f % ring].set(x_f)
             (y, bal), aux = stage_w(stack, x_f, f)
-            # the epilogue of the last stage's output, 1/P of its rows on each stage
-            y_piece = lax.psum_scatter(jnp.where(last, y, jnp.zeros_like(y)), AXIS, scatter_dimension=0, tiled=True)
-            # tied to the tick, so XLA cannot hoist the gathers out of the loop (which would keep
-            # the parts whole through every tick)
-            shares, _ = lax.optimization_barrier((other, t))
-            loss, back, stats = jax.vjp(lambda ot, yy: post(ot, yy, e), shares, y_piece, has_aux=True)
-            d_other, d_piece = back(vary(jnp.where(on_e, scale, jnp.zeros_like(scale))))
-            dy_last = lax.all_gather(d_piece, AXIS, axis=0, tiled=True)
+            def epilogue(_):
+                # the epilogue of the last stage's output, 1/P of its rows on each stage
+                y_piece = lax.psum_scatter(jnp.where(last, y, jnp.zeros_like(y)), AXIS, scatter_dimension=0, tiled=True)
+                # tied to the tick, so XLA cannot hoist the gathers out of the loop (which would
+                # keep the parts whole through every tick)
+                shares, _ = lax.optimization_barrier((other, t))
+                loss, back, stats = jax.vjp(lambda ot, yy: post(ot, yy, e), shares, y_piece, has_aux=True)
+                d_other, d_piece = back(vary(scale))
+                return vary((loss, stats, d_other, lax.all_gather(d_piece, AXIS, axis=0, tiled=True)))
+
+            # the 2P-2 ticks without a microbatch at the last stage skip the epilogue (its compute
+            # and its gathers): `on_e` is a function of the tick alone, so every device takes the
+            # same branch and runs the same collectives
+            loss, stats, d_other, dy_last = lax.cond(
+                on_e, epilogue, lambda _: vary(zeros(jax.eval_shape(epilogue, None))), None)
             # backward of microbatch b, recomputed from its kept input
             dy = jnp.where(last, dy_last, c["recv_b"])
             _, back_s, _ = jax.vjp(lambda st, xx: stage_w(st, xx, b), stack, inp[b % ring], has_aux=True)
