@@ -422,6 +422,10 @@ class PipelineConfig:
     """Pipeline parallelism over mesh.pipeline stages (the MoE stack; see r1jax/parallel/pipeline.py)."""
     schedule: Schedule = Schedule.gpipe
     repeats: int = 1                   # circular only: virtual stages per device
+    # gpipe/circular: keep only each tick's stage input for the backward and recompute the stage's
+    # layers there (their own remat inside), not every layer's saved tensors of every tick: the
+    # stack's residuals shrink by about `chunk` x, for one more forward of the stack
+    stage_remat: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -872,6 +876,9 @@ def validate(cfg: Config) -> None:
           f"shards mesh.data x mesh.fsdp x mesh.expert ({batch_shards})")
     pp = cfg.pipeline
     _need(pp.repeats >= 1, f"pipeline.repeats={pp.repeats}: must be a positive integer")
+    _need(not (pp.stage_remat and pp.schedule is Schedule.onefoneb),
+          "pipeline.stage_remat=true: 1f1b already keeps only each stage's input and recomputes the stage in "
+          "its backward (stage_remat is for gpipe and circular)")
     _need(pp.repeats == 1 or pp.schedule is Schedule.circular,
           f"pipeline.repeats={pp.repeats}: only the circular schedule has repeats (pipeline.schedule="
           f"{pp.schedule.value})")

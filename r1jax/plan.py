@@ -617,10 +617,14 @@ def _phases(cfg: Config, mesh: dict[str, int], st: dict, g: Geometry) -> list[tu
         layout = _layout(cfg, mesh)
         ticks = t.microbatches * layout.repeats + P - 1
         xs = rs * T * m.hidden_size * dt
-        r_moe = (ticks * layout.chunk * (layer_saved(m, g, True, rs, remat) + cast * _layer_weights(cfg, mesh, "moe_layers"))
+        per_layer = layer_saved(m, g, True, rs, remat) + cast * _layer_weights(cfg, mesh, "moe_layers")
+        # pipeline.stage_remat: a tick keeps its stage input only, and a tick's backward holds
+        # its recomputed stage's residuals
+        r_moe = (ticks * (xs if cfg.pipeline.stage_remat else layout.chunk * per_layer)
                  + (ticks + 2 * t.microbatches) * xs)
         w_moe = layer_working(m, g, True, rs) + w_gather
         bwd_moe = layer_backward(m, g, True, rs) - layer_working(m, g, True, rs) if remat is not Remat.none else 0
+        bwd_moe += layout.chunk * per_layer if cfg.pipeline.stage_remat else 0
 
     # outside the stages the batch is split over pipeline as well: the MTP's routed sort (without
     # expert parallelism) still gathers the whole batch, pipeline shards included
@@ -1104,7 +1108,8 @@ def report(cfg: Config, r: dict[str, Any]) -> str:
         from r1jax.parallel.pipeline import bubble, layout_for, ticks_1f1b
         sched, lay = cfg.pipeline.schedule, layout_for(cfg, P)
         flight = (f"a ring of {ticks_1f1b(P, t.microbatches)[1]} stage inputs in flight" if sched is Schedule.onefoneb
-                  else f"every tick's residuals ({t.microbatches * lay.repeats + P - 1} ticks)")
+                  else f"every tick's {'stage input' if cfg.pipeline.stage_remat else 'residuals'} "
+                       f"({t.microbatches * lay.repeats + P - 1} ticks)")
         lines.append(f"pipeline stages: each of the {P} holds these figures (the stack's {lay.slots} slots are "
                      f"{lay.chunk * lay.repeats} a stage, padding included; the parts outside are split evenly; "
                      f"one program runs on every stage), so every stage is the worst; {flight}; bubble "

@@ -76,6 +76,9 @@ MESHES = {
     # tiny has 2 MoE layers: 1 per stage on 2 stages; on 4 stages (and on 2 x 2 virtual stages)
     # two of them are padding, which exercises uneven layer counts
     "pipeline2_data4_gpipe_masked": ["mesh.data=4", "mesh.pipeline=2", "train.microbatches=2", *MASKED],
+    # each tick's stage recomputed from its input in the backward
+    "pipeline2_data4_gpipe_stage_remat": ["mesh.data=4", "mesh.pipeline=2", "train.microbatches=2",
+                                          "pipeline.stage_remat=true"],
     # the lock-step 1F1B with GSPMD axes inside its stages (tensor, fsdp), which a per-stage branch
     # could not hold (XLA:CPU's collectives wait for every device)
     "pipeline2_tensor2_data2_1f1b_masked": ["mesh.data=2", "mesh.tensor=2", "mesh.pipeline=2", "train.microbatches=2",

@@ -75,6 +75,8 @@ def test_bubble():
     (["mesh.data=4", "mesh.pipeline=2", "pipeline.repeats=2"], "pipeline.repeats=2: only the circular schedule"),
     (["mesh.data=4", "mesh.pipeline=2", "train.microbatches=3"], "train.microbatches=3"),
     (["mesh.data=4", "mesh.pipeline=2", "model.num_hidden_layers=1"], "mesh.pipeline=2: the pipeline splits"),
+    (["mesh.data=4", "mesh.pipeline=2", "train.microbatches=2", "pipeline.schedule=1f1b", "pipeline.stage_remat=true"],
+     "pipeline.stage_remat=true: 1f1b already keeps only each stage's input"),
 ])
 def test_pipeline_config_errors(overrides, needle):
     with pytest.raises(configlib.ConfigError) as e:

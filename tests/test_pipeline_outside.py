@@ -127,3 +127,22 @@ def test_1f1b_ticks_carry_only_a_stage_share_of_the_parts_outside():
     ticks = [line for line in loops if all(s in line for s in share)]
     assert ticks, "no loop carries the stage shares"
     assert not [w for line in ticks for w in whole if w in line]
+
+
+def test_stage_remat_keeps_one_stage_input_a_tick():
+    """pipeline.stage_remat: GPipe's backward keeps each tick's stage input, not the saved input of
+    each of the stage's `chunk` layers (remat full), and recomputes the stage from it. 16 MoE
+    layers on 4 stages (chunk 4), M=8: 11 ticks x 3 fewer [rows, T, D] tensors of the compiled
+    step's temporaries (XLA measured 16.22 -> 14.08 MiB; the planner's --check is within 10%)."""
+    over = ["mesh.data=2", "mesh.pipeline=4", "train.microbatches=8", "train.global_batch_size=32",
+            "data.seq_len=128", "train.remat=full", "model.num_hidden_layers=17",
+            "model.num_nextn_predict_layers=0", "kernels.moe_dispatch=capacity"]
+    temp = {}
+    for on in (False, True):
+        cfg, setup = _setup(over + [f"pipeline.stage_remat={str(on).lower()}"])
+        compiled = setup.step.lower(setup.state, tiny_batches(cfg, 1)[0]).compile()
+        temp[on] = compiled.memory_analysis().temp_size_in_bytes
+    P, M, chunk = 4, 8, 4
+    rows = cfg.train.global_batch_size // cfg.mesh.data // M
+    xs = rows * cfg.data.seq_len * cfg.model.hidden_size * 4
+    assert temp[False] - temp[True] >= 0.8 * (M + P - 1) * (chunk - 1) * xs, temp

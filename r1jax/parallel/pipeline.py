@@ -289,16 +289,21 @@ def _stage_aux(acc: dict, layout: Layout) -> dict:
 
 
 # ------------------------------------------------------------------------ gpipe, circular
-def forward(model, batch: dict, *, layout: Layout, microbatches: int, mtp: bool = False) -> Output:
+def forward(model, batch: dict, *, layout: Layout, microbatches: int, mtp: bool = False,
+            stage_remat: bool = False) -> Output:
     """The model's forward pass over `batch` (ids, positions, segment_ids [B, T]) with the MoE
     stack pipelined (GPipe, or circular when layout.repeats > 1) from its slots in `model`;
-    differentiable. Equals the model-order model's forward up to fp32 rounding."""
+    differentiable. Equals the model-order model's forward up to fp32 rounding. `stage_remat`:
+    the backward keeps only each tick's stage input and recomputes the stage from it."""
     M, Ps, R, C = microbatches, layout.stages, layout.repeats, layout.chunk
     input_ids = batch["ids"]
     x, positions, segment_ids = model.prologue(input_ids, batch["positions"], batch["segment_ids"])
     x = logical.constrain(x, "batch", "seq", "act_embed")     # each stage its own rows, gathered entering the stages
     graphdef, state, valid = _stack_parts(model, layout)
     stage = _stage_fn(model, graphdef)
+    # (prevent_cse is for checkpoints outside a loop; inside the tick scan it only costs)
+    run_stage = jax.checkpoint(stage, policy=jax.checkpoint_policies.nothing_saveable,
+                               prevent_cse=False) if stage_remat else stage
     ticks = M * R + Ps - 1
 
     base, slot_keys = _dropout_inputs(layout)
@@ -335,8 +340,8 @@ def forward(model, batch: dict, *, layout: Layout, microbatches: int, mtp: bool 
             else:
                 first, wr = xm[m], jax.tree.map(lambda a: a[0], w)
             x_in = jnp.where(s == 0, first, state)
-            y, aux = stage(wr, valid[r], x_in, posm[m], segm[m], None if keys is None else keys[r],
-                           None if rowm is None else rowm[m])
+            y, aux = run_stage(wr, valid[r], x_in, posm[m], segm[m], None if keys is None else keys[r],
+                               None if rowm is None else rowm[m])
             acc = jax.tree.map(lambda a, b: a.at[r].add(jnp.where(active, b, jnp.zeros_like(b))), acc, aux)
             nxt = lax.ppermute(y, AXIS, [(i, (i + 1) % Ps) for i in range(Ps)])
             return (nxt, buf, acc), y

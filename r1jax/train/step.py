@@ -56,7 +56,8 @@ def forward(model, batch: dict, cfg: Config, layout: pipeline.Layout | None, mtp
     with loralib.dropout(dropout_key, cfg.lora.dropout if cfg.lora.rank else 0.0, batch.get("row")):
         if layout is None:
             return model(batch["ids"], batch["positions"], batch["segment_ids"], mtp=mtp, routing=batch.get("routing"))
-        return pipeline.forward(model, batch, layout=layout, microbatches=cfg.train.microbatches, mtp=mtp)
+        return pipeline.forward(model, batch, layout=layout, microbatches=cfg.train.microbatches, mtp=mtp,
+                                stage_remat=cfg.pipeline.stage_remat)
 
 
 def dropout_key(cfg: Config, step: jax.Array) -> jax.Array | None:
