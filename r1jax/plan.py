@@ -582,8 +582,9 @@ def _phases(cfg: Config, mesh: dict[str, int], st: dict, g: Geometry) -> list[tu
         # the lock-step 1F1B (pipeline.loss_and_grads_1f1b), pipeline and data manual: every tick
         # runs one stage forward, the epilogue's forward and backward on 1/P of the last stage's
         # rows, and one stage backward (recomputed from the kept input). A device keeps a ring of
-        # 2P-1 stage inputs, the received activation and gradient, the stage outputs, the inputs
-        # and input gradients of all M microbatches, and one set of running gradient sums. The
+        # 2P-1 stage inputs, the received activation and gradient, the stage outputs, the input
+        # gradients of its own rows (M/P microbatches' worth; stage 0 assembles each input at its
+        # tick), and one set of running gradient sums. The
         # parts outside the stack enter the ticks as stored (1/P a stage), their gradients are
         # summed there at 1/P, and each tick's epilogue gathers them whole: the head and the MTP
         # blocks in the compute dtype, the embedding (which the MTP blocks read) in fp32, each
@@ -593,7 +594,7 @@ def _phases(cfg: Config, mesh: dict[str, int], st: dict, g: Geometry) -> list[tu
         _, ring = ticks_1f1b(P, t.microbatches)
         xs = rs * T * m.hidden_size * dt
         outside = sum(n for k, n in parts.items() if k != "moe_layers")
-        carry = (ring + 2 * t.microbatches + 4) * xs + g_moe + outside
+        carry = (ring + t.microbatches // P + 4) * xs + g_moe + outside
         depth = m.num_nextn_predict_layers
         gathered = w_head + depth * _weights_gathered(cfg, mesh, "mtp/0/", 1, dt, stacked=False) + (
             _weights_gathered(cfg, mesh, "embed", 1, F32, stacked=False) if depth else 0)
@@ -809,17 +810,21 @@ def _activation_traffic(cfg: Config, mesh: dict[str, int], g: Geometry) -> list[
         onefoneb = cfg.pipeline.schedule is Schedule.onefoneb
         ticks = M + 2 * P - 2 if onefoneb else M * layout.repeats + P - 1
         sends = 2 * ticks                                                # forward and backward, every tick
-        if onefoneb:                                                     # the epilogue's rows out and gradients back
-            out.append(("pipeline", "epilogue rows", "all_gather", A * 2 * ticks * xs * (P - 1) / P))
-        # outside the stages the rows are split over pipeline: stage 0 receives the other stages'
-        # rows of the stack input and sends back their gradient; under GPipe the last stage sends
-        # them their rows of its output and receives the gradient (1F1B: the epilogue rows above).
-        # The busiest device's share, point to point
-        rows = 2 * A * M * xs * (P - 1) / P
-        out += [("pipeline", "stage boundaries", "permute", A * sends * xs),
-                ("pipeline", "stack input to stage 0", "permute", rows)]
-        if not onefoneb:
-            out.append(("pipeline", "stack output from the last stage", "permute", rows))
+        out.append(("pipeline", "stage boundaries", "permute", A * sends * xs))
+        if onefoneb:
+            # each of the M epilogues scatters the last stage's output rows and gathers their
+            # gradients; at its tick each microbatch's input is summed to stage 0 from the stages
+            # holding its rows, and its gradient summed back (pipeline.loss_and_grads_1f1b)
+            out += [("pipeline", "epilogue rows", "all_gather", A * 2 * M * xs),
+                    ("pipeline", "stack input to stage 0 and its gradient back", "all_reduce", A * 2 * M * xs)]
+        else:
+            # outside the stages the rows are split over pipeline: stage 0 receives the other
+            # stages' rows of the stack input and sends back their gradient, the last stage sends
+            # them their rows of its output and receives the gradient. The busiest device's
+            # share, point to point
+            rows = 2 * A * M * xs * (P - 1) / P
+            out += [("pipeline", "stack input to stage 0", "permute", rows),
+                    ("pipeline", "stack output from the last stage", "permute", rows)]
     return out
 
 

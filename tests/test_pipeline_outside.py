@@ -68,17 +68,19 @@ def _collectives(compiled) -> list[tuple[str, tuple[int, ...]]]:
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_no_collective_moves_the_stack_output_whole(schedule):
-    """The compiled train step holds no all-reduce of stack activations ([.., SEQ, D] arrays) over
-    the stages: the output reaches each stage's rows (and the input stage 0) point to point.
-    Before this change GPipe's step had two such all-reduces (output, input gradient) and
-    1F1B's one."""
+    """The compiled train step holds no collective of the whole stack output or input over the
+    stages, nor of more than one microbatch's rows of them. GPipe: no all-reduce at all; the
+    output reaches each stage's rows (and the input stage 0) point to point. Before this change
+    GPipe's step had two all-reduces of the whole (output, input gradient) and 1F1B's one. 1F1B
+    moves one microbatch a tick: its epilogue rows (a reduce-scatter and an all-gather), and its
+    stack input summed to stage 0 from the stages holding its rows, its gradient summed back."""
     cfg, setup = _setup(PIPE + [f"pipeline.schedule={schedule}"])
     batch = tiny_batches(cfg, 1)[0]
     colls = _collectives(setup.step.lower(setup.state, batch).compile())
     D = cfg.model.hidden_size
     acts = [(k, s) for k, s in colls if s[-2:] == (SEQ, D)]
-    assert not [s for k, s in acts if k == "all-reduce"], acts
-    # 1F1B's epilogue rows: one reduce-scatter and one all-gather a tick, 1/P of a microbatch's rows
+    if schedule == "gpipe":
+        assert not [s for k, s in acts if k == "all-reduce"], acts
     rows = cfg.train.global_batch_size // cfg.mesh.data // cfg.train.microbatches
     assert all(math.prod(s) <= rows * SEQ * D for _, s in acts), acts
 
@@ -146,3 +148,20 @@ def test_stage_remat_keeps_one_stage_input_a_tick():
     rows = cfg.train.global_batch_size // cfg.mesh.data // M
     xs = rows * cfg.data.seq_len * cfg.model.hidden_size * 4
     assert temp[False] - temp[True] >= 0.8 * (M + P - 1) * (chunk - 1) * xs, temp
+
+
+def test_1f1b_holds_no_stage_input_or_gradient_of_all_microbatches():
+    """Stage 0 assembles each microbatch's stack input at its tick and sends the input gradient
+    back to the stages holding its rows at its tick, so the tick loop carries the ring of 2P-1
+    inputs and each stage's own rows, never an [M, rows, T, D] buffer of all M microbatches (it
+    carried two: the inputs gathered to stage 0 and their gradients)."""
+    M, P = 8, 2
+    cfg, setup = _setup(["mesh.data=2", "mesh.pipeline=2", f"train.microbatches={M}", f"data.seq_len={SEQ}",
+                         "train.global_batch_size=32", "pipeline.schedule=1f1b"])
+    D = cfg.model.hidden_size
+    rows = cfg.train.global_batch_size // cfg.mesh.data // M
+    text = setup.step.lower(setup.state, tiny_batches(cfg, 1)[0]).compile().as_text()
+    ring = f"f32[{2 * P - 1},{rows},{SEQ},{D}]"
+    ticks = [line for line in text.splitlines() if re.search(r"= \(.*\) while\(", line) and ring in line]
+    assert ticks, "no loop carries the ring of stage inputs"
+    assert not [line for line in ticks if f"f32[{M},{rows},{SEQ},{D}]" in line]

@@ -7,8 +7,9 @@ each stage computes them for its own 1/P of the rows, not all of them, and each 
 only the rows its devices hold, so stages may sit in different processes (nodes). Inside the
 shard_map the batch is whole over `pipeline` (`logical.spec` leaves manual axes out): entering,
 stage 0 receives the other stages' rows of the stack's input, and leaving, the last stage sends
-them their rows of its output (1f1b: stage 0 their rows of the input's gradient), point to point
-(`_gather_rows`, `_scatter_rows`), never a psum of the whole to every stage. Their parameters
+them their rows of its output, point to point (`_gather_rows`, `_scatter_rows`), never a psum of
+the whole to every stage (1f1b: stage 0 assembles each microbatch's input at its tick, and its
+gradient goes back to the stages holding its rows at its tick). Their parameters
 are sharded over `pipeline` as over fsdp (the `embed` rules in parallel/mesh.py), so no stage
 holds them whole: GSPMD gathers a layer's weights where it runs, as fsdp's.
 
@@ -478,14 +479,37 @@ def loss_and_grads_1f1b(graphdef, params: nnx.State, rest: nnx.State, batch: dic
 
     def body(stack, rstack, other, rother, valid, xs, bm, scale, keys):
         s = lax.axis_index(AXIS)
-        xm = _split(_gather_rows(xs, 0).reshape(-1, *xs.shape[3:]), M)       # stage 0 reads the input
+        # this stage's rows of the stack's input [S, r, T, D]; microbatch f is rows g = f, f+M, ...
+        # of the data shard (g = (e P + stage) r + l), n of them per e: its slot i of e is row
+        # (i M + f) mod r of stage (i M + f) div r. Stage 0 assembles microbatch f at tick f
+        # (a psum of each stage's slots), and the input gradient goes back the same way: no
+        # stage holds all M microbatches' inputs or input gradients.
+        own = xs[:, 0]
+        S_l, r = own.shape[:2]
+        n = Ps * r // M
+        mb_rows = S_l * n
+
+        def slots(f):
+            o = jnp.arange(n) * M + f
+            return o // r, o % r
+
+        def assemble(f):
+            j, l = slots(f)
+            mine = jnp.where((j == s)[None, :, None, None], jnp.take(own, l, axis=1), jnp.zeros((), own.dtype))
+            return lax.psum(mine, AXIS).reshape(mb_rows, *own.shape[2:])
+
+        def give_back(own_dx, d_x, b):
+            j, l = slots(b)
+            full = lax.psum(jnp.where(s == 0, d_x, jnp.zeros_like(d_x)), AXIS).reshape(S_l, n, *d_x.shape[1:])
+            return own_dx.at[:, l].add(jnp.where((j == s)[None, :, None, None], full, jnp.zeros((), full.dtype)))
+
         last = s == Ps - 1
         vary = functools.partial(_vary, axes=ONEFONEB_MANUAL)
         # weights varying over data too: their gradients stay per shard, summed once at the end;
         # the frozen ones too (router biases, LoRA's base weights), which a custom VJP inside
         # (the head's loss) gives a cotangent of the varying rows' type
         stack, other, rstack, rother = vary(stack), vary(other), vary(rstack), vary(rother)
-        piece_rows = xm.shape[1] // Ps
+        piece_rows = mb_rows // Ps
 
         def stage_w(stack_, x, m):
             y, aux = stage(block_state(stack_, rstack), valid, x, bm["positions"][m], bm["segment_ids"][m], keys,
@@ -507,9 +531,13 @@ def loss_and_grads_1f1b(graphdef, params: nnx.State, rest: nnx.State, batch: dic
             f, b, e = t - s, t - (2 * Ps - 2 - s), t - (Ps - 1)      # e: the last stage's forward
             on_f, on_b, on_e = (f >= 0) & (f < M), (b >= 0) & (b < M), (e >= 0) & (e < M)
             f, b, e = (jnp.clip(i, 0, M - 1) for i in (f, b, e))
-            # forward of microbatch f; its input kept until its backward
-            x_f = jnp.where(s == 0, xm[f], c["recv_f"])
-            inp = c["inp"].at[f % ring].set(x_f)
+            # forward of microbatch f; its input kept until its backward. Stage 0's input arrives
+            # on the M ticks t < M (a function of the tick alone: one branch on every device)
+            x0 = lax.cond(t < M, lambda: vary(assemble(jnp.minimum(t, M - 1))), lambda: c["recv_f"])
+            x_f = jnp.where(s == 0, x0, c["recv_f"])
+            # (only a live forward writes the ring: a clipped f past the last microbatch would
+            # overwrite microbatch M-1's input before its backward)
+            inp = c["inp"].at[f % ring].set(jnp.where(on_f, x_f, c["inp"][f % ring]))
             (y, bal), aux = stage_w(stack, x_f, f)
             def epilogue(_):
                 # the epilogue of the last stage's output, 1/P of its rows on each stage
@@ -536,17 +564,20 @@ def loss_and_grads_1f1b(graphdef, params: nnx.State, rest: nnx.State, batch: dic
                    "aux": jax.tree.map(jnp.add, acc["aux"], masked(on_f, aux)),
                    "dother": jax.tree.map(jnp.add, acc["dother"], masked(on_e, d_other)),
                    "dstack": jax.tree.map(jnp.add, acc["dstack"], masked(on_b, d_stack))}
-            dx = c["dx"].at[b].add(jnp.where(on_b & (s == 0), d_x, jnp.zeros_like(d_x)))
+            # stage 0's input gradient of microbatch t-(2P-2), back to the stages that hold its rows
+            b0 = t - (2 * Ps - 2)
+            dx = lax.cond((b0 >= 0) & (b0 < M), lambda: give_back(c["dx"], d_x, jnp.clip(b0, 0, M - 1)),
+                          lambda: c["dx"])
             recv_f = lax.ppermute(y, AXIS, [(i, i + 1) for i in range(Ps - 1)])
             recv_b = lax.ppermute(d_x, AXIS, [(i + 1, i) for i in range(Ps - 1)])
             return {"recv_f": recv_f, "recv_b": recv_b, "inp": inp, "dx": dx, "acc": acc}, None
 
         zeros = lambda shapes: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)   # noqa: E731
-        y_like = jnp.zeros_like(xm[0])
-        aux_shape = jax.eval_shape(lambda: stage_w(stack, xm[0], 0)[1])
+        y_like = jnp.zeros((mb_rows, *own.shape[2:]), own.dtype)
+        aux_shape = jax.eval_shape(lambda: stage_w(stack, y_like, 0)[1])
         post_shape = jax.eval_shape(lambda: post(other, y_like[:piece_rows], 0)[1])
-        carry0 = vary({"recv_f": y_like, "recv_b": y_like, "inp": jnp.zeros((ring, *xm.shape[1:]), xm.dtype),
-                       "dx": jnp.zeros_like(xm),
+        carry0 = vary({"recv_f": y_like, "recv_b": y_like, "inp": jnp.zeros((ring, *y_like.shape), y_like.dtype),
+                       "dx": jnp.zeros_like(own),
                        "acc": {"loss": jnp.float32(0), "post": zeros(post_shape), "aux": zeros(aux_shape),
                                "dother": jax.tree.map(jnp.zeros_like, other),
                                "dstack": jax.tree.map(jnp.zeros_like, stack)}})
@@ -557,7 +588,7 @@ def loss_and_grads_1f1b(graphdef, params: nnx.State, rest: nnx.State, batch: dic
         # share the epilogue does not read has none
         dother = {k: lax.psum(g, "data" if dims[k] is not None else both) for k, g in acc["dother"].items()}
         return (lax.psum(acc["loss"], both), lax.psum(acc["post"], both), lax.psum(acc["aux"], "data"),
-                lax.psum(acc["dstack"], "data"), dother, _scatter_rows(_stage_rows(c["dx"]), 0))
+                lax.psum(acc["dstack"], "data"), dother, c["dx"][:, None])
 
     row_spec = P(None, "data")
     share = {k: P(*[AXIS if i == d else None for i in range(d + 1)]) if d is not None else P() for k, d in dims.items()}
