@@ -620,9 +620,13 @@ def _phases(cfg: Config, mesh: dict[str, int], st: dict, g: Geometry) -> list[tu
         xs = rs * T * m.hidden_size * dt
         per_layer = layer_saved(m, g, True, rs, remat) + cast * _layer_weights(cfg, mesh, "moe_layers")
         # pipeline.stage_remat: a tick keeps its stage input only, and a tick's backward holds
-        # its recomputed stage's residuals
+        # its recomputed stage's residuals. Beside them: the stage's own rows of the stack output
+        # (M/P microbatches; the input's are the dense prefix's output, counted there), the tick's
+        # carried and received stage inputs and the microbatch assembled at stage 0, and under
+        # circular the M outputs parked for their next repeat
+        own = max(t.microbatches // P, 1)
         r_moe = (ticks * (xs if cfg.pipeline.stage_remat else layout.chunk * per_layer)
-                 + (ticks + 2 * t.microbatches) * xs)
+                 + (own + 3 + (t.microbatches if layout.repeats > 1 else 0)) * xs)
         w_moe = layer_working(m, g, True, rs) + w_gather
         bwd_moe = layer_backward(m, g, True, rs) - layer_working(m, g, True, rs) if remat is not Remat.none else 0
         bwd_moe += layout.chunk * per_layer if cfg.pipeline.stage_remat else 0
@@ -813,18 +817,16 @@ def _activation_traffic(cfg: Config, mesh: dict[str, int], g: Geometry) -> list[
         out.append(("pipeline", "stage boundaries", "permute", A * sends * xs))
         if onefoneb:
             # each of the M epilogues scatters the last stage's output rows and gathers their
-            # gradients; at its tick each microbatch's input is summed to stage 0 from the stages
-            # holding its rows, and its gradient summed back (pipeline.loss_and_grads_1f1b)
-            out += [("pipeline", "epilogue rows", "all_gather", A * 2 * M * xs),
-                    ("pipeline", "stack input to stage 0 and its gradient back", "all_reduce", A * 2 * M * xs)]
-        else:
-            # outside the stages the rows are split over pipeline: stage 0 receives the other
-            # stages' rows of the stack input and sends back their gradient, the last stage sends
-            # them their rows of its output and receives the gradient. The busiest device's
-            # share, point to point
-            rows = 2 * A * M * xs * (P - 1) / P
-            out += [("pipeline", "stack input to stage 0", "permute", rows),
-                    ("pipeline", "stack output from the last stage", "permute", rows)]
+            # gradients (pipeline.loss_and_grads_1f1b)
+            out.append(("pipeline", "epilogue rows", "all_gather", A * 2 * M * xs))
+        # outside the stages the rows are split over pipeline: at its tick each microbatch's
+        # stack input is summed to stage 0 from the stages holding its rows, and its gradient
+        # summed back; gpipe and circular send the last stage's output to those stages the
+        # same way, and its gradient back (pipeline._assemble, _give_back)
+        out.append(("pipeline", "stack input to stage 0 and its gradient back", "all_reduce", A * 2 * M * xs))
+        if not onefoneb:
+            out.append(("pipeline", "stack output from the last stage and its gradient back", "all_reduce",
+                        A * 2 * M * xs))
     return out
 
 

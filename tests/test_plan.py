@@ -286,9 +286,12 @@ def test_deepseek_layout_communication(tmp_path):
                        {"fsdp": 32, "expert": 8}, "h100-80gb", nodes=32, search=False)
     assert r["comm"]["ratio"] < fsdp32["comm"]["ratio"] / 2
     assert r["comm_bound"]
-    # the device-order layout of the same mesh crosses nodes more: EP64 on 64 nodes
+    # the device-order layout of the same mesh sends more of the expert exchange across nodes:
+    # EP64 on 64 nodes (its pipeline groups share nodes instead, 8 GPUs x 2 nodes, which under
+    # the planner's no-overlap model about evens the totals: 4.95 against 4.99 s)
     flat = plan.plan(cfg, mesh, "h100-80gb", nodes=256, search=False)
-    assert flat["comm"]["axes"]["expert"]["nodes"] == 64 and flat["comm"]["comm_s"] > r["comm"]["comm_s"]
+    assert flat["comm"]["axes"]["expert"]["nodes"] == 64
+    assert flat["comm"]["axes"]["expert"]["ib_bytes"] > r["comm"]["axes"]["expert"]["ib_bytes"]
 
 
 # ------------------------------------------------------------------------------------- ZeRO-1

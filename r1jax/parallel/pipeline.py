@@ -5,11 +5,11 @@ and the final norm, head, MTP and loss (`epilogue`) run outside the stages, unde
 the batch sharded over `pipeline` as well as the batch axes (the `batch` rule, MaxText's way):
 each stage computes them for its own 1/P of the rows, not all of them, and each process reads
 only the rows its devices hold, so stages may sit in different processes (nodes). Inside the
-shard_map the batch is whole over `pipeline` (`logical.spec` leaves manual axes out): entering,
-stage 0 receives the other stages' rows of the stack's input, and leaving, the last stage sends
-them their rows of its output, point to point (`_gather_rows`, `_scatter_rows`), never a psum of
-the whole to every stage (1f1b: stage 0 assembles each microbatch's input at its tick, and its
-gradient goes back to the stages holding its rows at its tick). Their parameters
+shard_map the batch is whole over `pipeline` (`logical.spec` leaves manual axes out): stage 0
+assembles each microbatch's input at its tick from the stages holding its rows, and (gpipe,
+circular) the last stage sends each microbatch's output to them at its tick (`_assemble`,
+`_give_back`; under 1f1b the input gradient goes back the same way), so no stage holds all M
+microbatches' inputs or outputs, and nothing moves the whole to every stage. Their parameters
 are sharded over `pipeline` as over fsdp (the `embed` rules in parallel/mesh.py), so no stage
 holds them whole: GSPMD gathers a layer's weights where it runs, as fsdp's.
 
@@ -215,35 +215,42 @@ def _by_stage(x: jax.Array) -> jax.Array:
     return lax.with_sharding_constraint(y, P(axes or None, AXIS))
 
 
-def _stage_rows(a: jax.Array) -> jax.Array:
-    """[M, B/M, ...] microbatches of a data shard's rows, whole over `pipeline` -> [S, P, B/(S P),
-    ...]: dimension 1 is the stage that holds the rows outside the stages (the `batch` rule has
-    `pipeline` innermost), S the batch axes left to GSPMD here."""
-    mesh = jax.sharding.get_abstract_mesh()
-    shards = math.prod(mesh.shape[ax] for ax in logical.mesh_axes("batch"))
-    rows = _unsplit(a)
-    rows = rows.reshape(shards, mesh.shape[AXIS], -1, *rows.shape[1:])
-    return logical.constrain(rows, "batch", *[None] * (rows.ndim - 1))
+def _mb_slots(f, n: int, M: int, r: int):
+    """Where microbatch f's rows live outside the stages: (stage, row) of each of its n rows per
+    block of the batch axes. Each stage holds r rows [S, r, ...] of the stack's input; microbatch
+    f is rows g = f, f+M, ... of a data shard (g = stage r + row), so its slot i is row
+    (i M + f) mod r of stage (i M + f) div r. Which stages hold a microbatch's rows depends on f
+    (DeepSeek's layout, r = 1 and M = P: microbatch f is stage f's row), so they move as a sum
+    over the stages, not by fixed point-to-point pairs."""
+    o = jnp.arange(n) * M + f
+    return o // r, o % r
 
 
-def _scatter_rows(rows: jax.Array, src: int) -> jax.Array:
-    """[S, P, r, ...] held by stage `src` -> [S, 1, r, ...]: each stage its own rows, sent by
-    P-1 point-to-point copies from `src` (not a psum of the whole to every stage; XLA's SPMD
-    partitioner gathers the data shards around a reduce-scatter in a partly manual region)."""
-    Ps, s = rows.shape[1], lax.axis_index(AXIS)
-    out = jnp.where(s == src, rows[:, src:src + 1], jnp.zeros_like(rows[:, :1]))
-    for j in range(Ps):
-        if j != src:
-            out = out + lax.ppermute(rows[:, j:j + 1], AXIS, [(src, j)])
-    return out
+def _assemble(own: jax.Array, f, M: int) -> jax.Array:
+    """Microbatch f [S n, ...] on every stage, from the rows `own` [S, r, ...] each stage holds:
+    a psum of each stage's slots of it (one microbatch over the stages, at the tick that needs
+    it, so no stage holds the inputs of all M; not an all_gather, around which XLA's SPMD
+    partitioner gathers the data shards in GPipe's partly manual region)."""
+    s, Ps = lax.axis_index(AXIS), jax.sharding.get_abstract_mesh().shape[AXIS]
+    S, r = own.shape[:2]
+    n = Ps * r // M
+    j, l = _mb_slots(f, n, M, r)
+    mask = (j == s).reshape(1, n, *[1] * (own.ndim - 2))
+    mine = jnp.where(mask, jnp.take(own, l, axis=1), jnp.zeros((), own.dtype))
+    return lax.psum(mine, AXIS).reshape(S * n, *own.shape[2:])
 
 
-def _gather_rows(rows: jax.Array, dst: int) -> jax.Array:
-    """The inverse of `_scatter_rows`: [S, 1, r, ...] of every stage -> [S, P, r, ...] on stage
-    `dst` (zeros elsewhere), so only the stage that reads the stack's input receives it."""
-    Ps, s = jax.sharding.get_abstract_mesh().shape[AXIS], lax.axis_index(AXIS)
-    parts = [rows if j == dst else lax.ppermute(rows, AXIS, [(j, dst)]) for j in range(Ps)]
-    return jnp.where(s == dst, jnp.concatenate(parts, axis=1), jnp.zeros((rows.shape[0], Ps, *rows.shape[2:]), rows.dtype))
+def _give_back(own: jax.Array, v: jax.Array, f, M: int, src: int) -> jax.Array:
+    """The inverse of `_assemble`: microbatch f's rows `v` [S n, ...] as held by stage `src`,
+    added into the rows `own` [S, r, ...] of the stages they belong to (a psum of the one
+    microbatch)."""
+    s, Ps = lax.axis_index(AXIS), jax.sharding.get_abstract_mesh().shape[AXIS]
+    S, r = own.shape[:2]
+    n = Ps * r // M
+    j, l = _mb_slots(f, n, M, r)
+    full = lax.psum(jnp.where(s == src, v, jnp.zeros_like(v)), AXIS).reshape(S, n, *v.shape[1:])
+    mask = (j == s).reshape(1, n, *[1] * (own.ndim - 2))
+    return own.at[:, l].add(jnp.where(mask, full, jnp.zeros((), full.dtype)))
 
 
 def _stage_fn(model, graphdef, axes: tuple[str, ...] = (AXIS,)):
@@ -302,9 +309,15 @@ def forward(model, batch: dict, *, layout: Layout, microbatches: int, mtp: bool 
     x = logical.constrain(x, "batch", "seq", "act_embed")     # each stage its own rows, gathered entering the stages
     graphdef, state, valid = _stack_parts(model, layout)
     stage = _stage_fn(model, graphdef)
+
+    def stage_at(w, valid, r, x, pos, seg, keys, rows):
+        # repeat r's weights are picked inside: under stage_remat the tick then keeps the whole
+        # (loop-invariant) stack once, not a copy of its repeat's slice every tick
+        return stage(jax.tree.map(lambda a: a[r], w), valid[r], x, pos, seg, None if keys is None else keys[r], rows)
+
     # (prevent_cse is for checkpoints outside a loop; inside the tick scan it only costs)
-    run_stage = jax.checkpoint(stage, policy=jax.checkpoint_policies.nothing_saveable,
-                               prevent_cse=False) if stage_remat else stage
+    run_stage = jax.checkpoint(stage_at, policy=jax.checkpoint_policies.nothing_saveable,
+                               prevent_cse=False) if stage_remat else stage_at
     ticks = M * R + Ps - 1
 
     base, slot_keys = _dropout_inputs(layout)
@@ -316,40 +329,49 @@ def forward(model, batch: dict, *, layout: Layout, microbatches: int, mtp: bool 
 
     def body(w, valid, xs, posm, segm, keys, rowm):
         s = lax.axis_index(AXIS)
-        xm = _split(_gather_rows(xs, 0).reshape(-1, *xs.shape[3:]), M)       # stage 0 reads the input
+        # this stage's rows of the stack's input [S, r, T, D]. Stage 0 assembles microbatch m at
+        # tick m and the last stage's output of microbatch m goes to the stages holding its rows
+        # at its tick (`_assemble`, `_give_back`): no stage holds all M microbatches' inputs or
+        # the outputs of every tick
+        own = xs[:, 0]
+        x_like = jnp.zeros((posm.shape[1], *own.shape[2:]), own.dtype)        # one microbatch
         w = jax.tree.map(lambda a: a.reshape(R, C, *a.shape[1:]), w)
         keys = None if keys is None else keys.reshape(R, C, *keys.shape[1:])
         valid = valid.reshape(R, C)
-        carry0 = _vary(jnp.zeros_like(xm[0]))
-        buf0 = _vary(jnp.zeros_like(xm)) if R > 1 else None
-        aux_shapes = jax.eval_shape(lambda: stage(jax.tree.map(lambda a: a[0], w), valid[0], xm[0], posm[0], segm[0])[1])
+        buf0 = _vary(jnp.zeros((M, *x_like.shape), x_like.dtype)) if R > 1 else None
+        aux_shapes = jax.eval_shape(lambda: stage(jax.tree.map(lambda a: a[0], w), valid[0], x_like, posm[0], segm[0])[1])
         acc0 = _vary(jax.tree.map(lambda a: jnp.zeros((R, *a.shape), a.dtype), aux_shapes))
 
         def tick(c, t):
-            state, buf, acc = c
+            state, buf, out, acc = c
             k = t - s                                   # the item this stage works on
             active = (k >= 0) & (k < M * R)
             k = jnp.clip(k, 0, M * R - 1)
             m, r = k % M, k // M
+            # microbatch t's input, on the M ticks t < M (a function of the tick alone: every
+            # device takes the same branch and runs the same collective)
+            fresh = lax.cond(t < M, lambda: _vary(_assemble(own, jnp.minimum(t, M - 1), M)),
+                             lambda: _vary(jnp.zeros_like(x_like)))
             if R > 1:
                 # stage P-1's output of the previous tick (item t-P) is back at stage 0: park it
                 # until that microbatch's next repeat
                 slot = (t - Ps) % M
                 buf = buf.at[slot].set(jnp.where((s == 0) & (t >= Ps), state, buf[slot]))
-                first = jnp.where(r == 0, xm[m], buf[m])
-                wr = jax.tree.map(lambda a: a[r], w)
-            else:
-                first, wr = xm[m], jax.tree.map(lambda a: a[0], w)
-            x_in = jnp.where(s == 0, first, state)
-            y, aux = run_stage(wr, valid[r], x_in, posm[m], segm[m], None if keys is None else keys[r],
+                fresh = jnp.where(r == 0, fresh, buf[m])
+            x_in = jnp.where(s == 0, fresh, state)
+            # (R=1: a static index, which autodiff keeps once, not a traced one it keeps every tick)
+            y, aux = run_stage(w, valid, r if R > 1 else 0, x_in, posm[m], segm[m], keys,
                                None if rowm is None else rowm[m])
             acc = jax.tree.map(lambda a, b: a.at[r].add(jnp.where(active, b, jnp.zeros_like(b))), acc, aux)
+            # the last stage's output of microbatch e (its last repeat), to the stages that hold its rows
+            e = t - (Ps - 1) - (R - 1) * M
+            out = lax.cond((e >= 0) & (e < M), lambda: _give_back(out, y, jnp.clip(e, 0, M - 1), M, Ps - 1),
+                           lambda: out)
             nxt = lax.ppermute(y, AXIS, [(i, (i + 1) % Ps) for i in range(Ps)])
-            return (nxt, buf, acc), y
+            return (nxt, buf, out, acc), None
 
-        (_, _, acc), ys = lax.scan(tick, (carry0, buf0, acc0), jnp.arange(ticks))
-        ys = ys[(R - 1) * M + Ps - 1:]                  # stage P-1's last-repeat outputs, microbatch order
-        return _scatter_rows(_stage_rows(ys), Ps - 1), jax.tree.map(lambda a: a.reshape(R * C, *a.shape[2:]), acc)
+        (_, _, out, acc), _ = lax.scan(tick, (_vary(x_like), buf0, _vary(jnp.zeros_like(own)), acc0), jnp.arange(ticks))
+        return out[:, None], jax.tree.map(lambda a: a.reshape(R * C, *a.shape[2:]), acc)
 
     run = jax.shard_map(per_device, in_specs=(P(AXIS), P(AXIS), P(None, AXIS), P(), P(), P(), P(AXIS), P()),
                         out_specs=(P(None, AXIS), P(AXIS)), axis_names={AXIS})
@@ -479,29 +501,11 @@ def loss_and_grads_1f1b(graphdef, params: nnx.State, rest: nnx.State, batch: dic
 
     def body(stack, rstack, other, rother, valid, xs, bm, scale, keys):
         s = lax.axis_index(AXIS)
-        # this stage's rows of the stack's input [S, r, T, D]; microbatch f is rows g = f, f+M, ...
-        # of the data shard (g = (e P + stage) r + l), n of them per e: its slot i of e is row
-        # (i M + f) mod r of stage (i M + f) div r. Stage 0 assembles microbatch f at tick f
-        # (a psum of each stage's slots), and the input gradient goes back the same way: no
-        # stage holds all M microbatches' inputs or input gradients.
+        # this stage's rows of the stack's input [S, r, T, D]. Stage 0 assembles microbatch f at
+        # tick f and the input gradient goes back to the stages holding its rows at its tick
+        # (`_assemble`, `_give_back`): no stage holds all M microbatches' inputs or input gradients.
         own = xs[:, 0]
-        S_l, r = own.shape[:2]
-        n = Ps * r // M
-        mb_rows = S_l * n
-
-        def slots(f):
-            o = jnp.arange(n) * M + f
-            return o // r, o % r
-
-        def assemble(f):
-            j, l = slots(f)
-            mine = jnp.where((j == s)[None, :, None, None], jnp.take(own, l, axis=1), jnp.zeros((), own.dtype))
-            return lax.psum(mine, AXIS).reshape(mb_rows, *own.shape[2:])
-
-        def give_back(own_dx, d_x, b):
-            j, l = slots(b)
-            full = lax.psum(jnp.where(s == 0, d_x, jnp.zeros_like(d_x)), AXIS).reshape(S_l, n, *d_x.shape[1:])
-            return own_dx.at[:, l].add(jnp.where((j == s)[None, :, None, None], full, jnp.zeros((), full.dtype)))
+        mb_rows = own.shape[0] * Ps * own.shape[1] // M
 
         last = s == Ps - 1
         vary = functools.partial(_vary, axes=ONEFONEB_MANUAL)
@@ -533,7 +537,7 @@ def loss_and_grads_1f1b(graphdef, params: nnx.State, rest: nnx.State, batch: dic
             f, b, e = (jnp.clip(i, 0, M - 1) for i in (f, b, e))
             # forward of microbatch f; its input kept until its backward. Stage 0's input arrives
             # on the M ticks t < M (a function of the tick alone: one branch on every device)
-            x0 = lax.cond(t < M, lambda: vary(assemble(jnp.minimum(t, M - 1))), lambda: c["recv_f"])
+            x0 = lax.cond(t < M, lambda: vary(_assemble(own, jnp.minimum(t, M - 1), M)), lambda: c["recv_f"])
             x_f = jnp.where(s == 0, x0, c["recv_f"])
             # (only a live forward writes the ring: a clipped f past the last microbatch would
             # overwrite microbatch M-1's input before its backward)
@@ -566,7 +570,7 @@ def loss_and_grads_1f1b(graphdef, params: nnx.State, rest: nnx.State, batch: dic
                    "dstack": jax.tree.map(jnp.add, acc["dstack"], masked(on_b, d_stack))}
             # stage 0's input gradient of microbatch t-(2P-2), back to the stages that hold its rows
             b0 = t - (2 * Ps - 2)
-            dx = lax.cond((b0 >= 0) & (b0 < M), lambda: give_back(c["dx"], d_x, jnp.clip(b0, 0, M - 1)),
+            dx = lax.cond((b0 >= 0) & (b0 < M), lambda: _give_back(c["dx"], d_x, jnp.clip(b0, 0, M - 1), M, 0),
                           lambda: c["dx"])
             recv_f = lax.ppermute(y, AXIS, [(i, i + 1) for i in range(Ps - 1)])
             recv_b = lax.ppermute(d_x, AXIS, [(i + 1, i) for i in range(Ps - 1)])
