@@ -623,10 +623,10 @@ def _phases(cfg: Config, mesh: dict[str, int], st: dict, g: Geometry) -> list[tu
         # its recomputed stage's residuals. Beside them: the stage's own rows of the stack output
         # (M/P microbatches; the input's are the dense prefix's output, counted there), the tick's
         # carried and received stage inputs and the microbatch assembled at stage 0, and under
-        # circular the M outputs parked for their next repeat
+        # circular the ring of M-P+1 outputs parked for their next repeat
         own = max(t.microbatches // P, 1)
         r_moe = (ticks * (xs if cfg.pipeline.stage_remat else layout.chunk * per_layer)
-                 + (own + 3 + (t.microbatches if layout.repeats > 1 else 0)) * xs)
+                 + (own + 3 + (t.microbatches - P + 1 if layout.repeats > 1 else 0)) * xs)
         w_moe = layer_working(m, g, True, rs) + w_gather
         bwd_moe = layer_backward(m, g, True, rs) - layer_working(m, g, True, rs) if remat is not Remat.none else 0
         bwd_moe += layout.chunk * per_layer if cfg.pipeline.stage_remat else 0

@@ -338,7 +338,10 @@ def forward(model, batch: dict, *, layout: Layout, microbatches: int, mtp: bool 
         w = jax.tree.map(lambda a: a.reshape(R, C, *a.shape[1:]), w)
         keys = None if keys is None else keys.reshape(R, C, *keys.shape[1:])
         valid = valid.reshape(R, C)
-        buf0 = _vary(jnp.zeros((M, *x_like.shape), x_like.dtype)) if R > 1 else None
+        # circular: an output back at stage 0 waits M-P ticks for its microbatch's next repeat,
+        # so a ring of M-P+1 slots holds every one in flight (not all M)
+        K = M - Ps + 1
+        buf0 = _vary(jnp.zeros((K, *x_like.shape), x_like.dtype)) if R > 1 else None
         aux_shapes = jax.eval_shape(lambda: stage(jax.tree.map(lambda a: a[0], w), valid[0], x_like, posm[0], segm[0])[1])
         acc0 = _vary(jax.tree.map(lambda a: jnp.zeros((R, *a.shape), a.dtype), aux_shapes))
 
@@ -354,10 +357,11 @@ def forward(model, batch: dict, *, layout: Layout, microbatches: int, mtp: bool 
                              lambda: _vary(jnp.zeros_like(x_like)))
             if R > 1:
                 # stage P-1's output of the previous tick (item t-P) is back at stage 0: park it
-                # until that microbatch's next repeat
-                slot = (t - Ps) % M
+                # until that microbatch's next repeat, M-P ticks on (stage 0 runs item t, whose
+                # previous repeat t-M was parked at tick t-M+P; M = P reads what it just parked)
+                slot = (t - Ps) % K
                 buf = buf.at[slot].set(jnp.where((s == 0) & (t >= Ps), state, buf[slot]))
-                fresh = jnp.where(r == 0, fresh, buf[m])
+                fresh = jnp.where(r == 0, fresh, buf[(t - M) % K])
             x_in = jnp.where(s == 0, fresh, state)
             # (R=1: a static index, which autodiff keeps once, not a traced one it keeps every tick)
             y, aux = run_stage(w, valid, r if R > 1 else 0, x_in, posm[m], segm[m], keys,
