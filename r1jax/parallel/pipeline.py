@@ -342,7 +342,8 @@ def forward(model, batch: dict, *, layout: Layout, microbatches: int, mtp: bool 
         # so a ring of M-P+1 slots holds every one in flight (not all M)
         K = M - Ps + 1
         buf0 = _vary(jnp.zeros((K, *x_like.shape), x_like.dtype)) if R > 1 else None
-        aux_shapes = jax.eval_shape(lambda: stage(jax.tree.map(lambda a: a[0], w), valid[0], x_like, posm[0], segm[0])[1])
+        aux_shapes = jax.eval_shape(
+            lambda: stage(jax.tree.map(lambda a: a[0], w), valid[0], x_like, posm[0], segm[0])[1])
         acc0 = _vary(jax.tree.map(lambda a: jnp.zeros((R, *a.shape), a.dtype), aux_shapes))
 
         def tick(c, t):
