@@ -94,11 +94,9 @@ MESHES = {
                                      "pipeline.schedule=1f1b"],
     # M > P: outputs wait in a ring of M-P+1 slots for their next repeat (4 repeats: the ring
     # wraps), and a microbatch's rows sit on some stages only (2 rows a stage, 4 microbatches)
-    "pipeline2_tensor2_data2_circular_m4": ["mesh.data=2", "mesh.tensor=2", "mesh.pipeline=2", "train.microbatches=4",
-                                            "pipeline.schedule=circular", "pipeline.repeats=4"],
     "pipeline2_tensor2_data2_circular_masked": ["mesh.data=2", "mesh.tensor=2", "mesh.pipeline=2",
-                                                "train.microbatches=2", "pipeline.schedule=circular",
-                                                "pipeline.repeats=2", "kernels.attention=flash",
+                                                "train.microbatches=4", "pipeline.schedule=circular",
+                                                "pipeline.repeats=4", "kernels.attention=flash",
                                                 "kernels.attention_block=16", *MASKED],
 }
 
