@@ -201,10 +201,6 @@ def _split(a: jax.Array, m: int) -> jax.Array:
     return a.reshape(-1, m, *a.shape[1:]).swapaxes(0, 1)
 
 
-def _unsplit(a: jax.Array) -> jax.Array:
-    return a.swapaxes(0, 1).reshape(-1, *a.shape[2:])
-
-
 def _by_stage(x: jax.Array) -> jax.Array:
     """Outside the stages: [B, ...] -> [S, P, B/(S P), ...] (S: the other batch axes), the same
     rows in the same shards as the `batch` rule puts them, with `pipeline` on its own dimension
