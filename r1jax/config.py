@@ -391,6 +391,9 @@ class TrainConfig:
     stop_at_eval_loss: float = 0.0     # the run is done at the first eval (train.eval_every) whose held-out loss
     #   is at or below this: a model trained to a quality rather than a step count (R1's cold start); 0: off
     microbatches: int = 1              # pipeline microbatches per (grad_accum) microbatch; mesh.pipeline > 1 only
+    # the final norm, head, MTP modules and loss run on the rows in this many sequential chunks, each
+    # recomputed in the backward: logits and the MTP blocks' working set shrink by it (r1jax/train/step.py)
+    epilogue_chunks: int = 1
     seed: int = 0
     # bad steps (r1jax/train/guard.py): a non-finite loss or gradient skips the update in the step
     max_bad_steps: int = 3             # this many in a row: roll back to the last good checkpoint
@@ -874,7 +877,16 @@ def validate(cfg: Config) -> None:
           f"train.microbatches={t.microbatches}: each of the {t.grad_accum} x {t.microbatches} pipeline "
           f"microbatches of train.global_batch_size={t.global_batch_size} must be divisible by the batch "
           f"shards mesh.data x mesh.fsdp x mesh.expert ({batch_shards})")
+    n = t.epilogue_chunks
+    _need(n >= 1, f"train.epilogue_chunks={n}: must be a positive integer")
+    _need(per_micro % (n * row_shards) == 0,
+          f"train.epilogue_chunks={n}: each of the {t.grad_accum} microbatches of train.global_batch_size="
+          f"{t.global_batch_size} must split into {n} chunks divisible by the batch shards mesh.data x mesh.fsdp "
+          f"x mesh.expert x mesh.pipeline ({row_shards})")
     pp = cfg.pipeline
+    _need(n == 1 or mesh.pipeline == 1 or pp.schedule is not Schedule.onefoneb,
+          f"train.epilogue_chunks={n}: pipeline.schedule=1f1b already runs the epilogue on one pipeline "
+          f"microbatch's rows at a time (1/mesh.pipeline of them a stage)")
     _need(pp.repeats >= 1, f"pipeline.repeats={pp.repeats}: must be a positive integer")
     _need(not (pp.stage_remat and pp.schedule is Schedule.onefoneb),
           "pipeline.stage_remat=true: 1f1b already keeps only each stage's input and recomputes the stage in "

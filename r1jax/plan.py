@@ -47,8 +47,9 @@ train.remat recomputes the forward; D hidden, dt the compute dtype's bytes; tok 
 tokens per step = global batch / (data x fsdp x expert) x seq):
     fsdp      all-gather of every part's weights in dt, FSDP_GATHERS = 2 times (forward, backward:
               a recomputed forward reuses the backward's gather), and reduce-scatter of their
-              fp32 gradients, A times (the pipelined MoE stack A x M times); `pipeline` the same
-              for the parts outside the pipelined stack;
+              fp32 gradients, A times (the pipelined MoE stack A x M times; the head and MTP
+              blocks A x train.epilogue_chunks times); `pipeline` the same for the parts
+              outside the pipelined stack;
     data, fsdp, expert (the batch axes)
               all-reduce of the fp32 gradients of the leaves each does not split, once per step;
               over several axes axis by axis, the one with most GPUs in a node first, each
@@ -551,6 +552,7 @@ def _phases(cfg: Config, mesh: dict[str, int], st: dict, g: Geometry) -> list[tu
     P = mesh["pipeline"]
     n_dense, n_moe = m.first_k_dense_replace, m.num_moe_layers
     ra, rs = g.rows_outer, g.rows_stage          # outside the stages, inside one (ra: the whole shard without)
+    re = max(ra // t.epilogue_chunks, 1)         # the epilogue's rows at a time (train.epilogue_chunks)
     parts = st["by_part"]
     grads_all = st["grads"]
     g_head = parts.get("lm_head_DW", 0) + parts.get("final_norm", 0) + parts.get("mtp", 0)
@@ -633,15 +635,17 @@ def _phases(cfg: Config, mesh: dict[str, int], st: dict, g: Geometry) -> list[tu
 
     # outside the stages the batch is split over pipeline as well: the MTP's routed sort (without
     # expert parallelism) still gathers the whole batch, pipeline shards included
+    # (epilogue chunks: each chunk's forward keeps nothing, its backward recomputes it, so every
+    # epilogue phase below is one chunk's)
     outer = dataclasses.replace(g, batch_shards=g.batch_shards * g.pipeline)
-    ep = _epilogue(cfg, outer, ra, w_mtp)
+    ep = _epilogue(cfg, outer, re, w_mtp)
     if cast and m.num_nextn_predict_layers:
         ep["saved"] += m.num_nextn_predict_layers * cast * _layer_weights(cfg, mesh, "mtp/0/", stacked=False)
     before = r_dense + r_moe
     # XLA materialises the MTP blocks' zero-filled dispatch buffers early: they are live while the
     # MoE stack runs forward (seen in XLA:CPU's buffer assignment, absent without MTP; assumed
     # on GPU too)
-    early = m.num_nextn_predict_layers * _routed_working(m, outer, ra, "forward") if n_moe else 0
+    early = m.num_nextn_predict_layers * _routed_working(m, outer, re, "forward") if n_moe else 0
     return [
         *dense_phases,
         ph("forward MoE layers", before, 0, w_moe + early, 0),
@@ -667,6 +671,7 @@ def activation_peak(cfg: Config, mesh: dict[str, int], st: dict, g: Geometry) ->
 # backward scan's body gathers once for both), so remat adds no gather; it does repeat the
 # forward's activation collectives (tensor, expert), whose inputs are recomputed.
 FSDP_GATHERS = 2
+EPILOGUE_PARTS = ("lm_head_DW", "final_norm", "mtp")     # what train.epilogue_chunks runs per chunk
 
 
 def hardware_spec(hardware: str) -> Hardware:
@@ -744,6 +749,8 @@ def _fsdp_traffic(cfg: Config, mesh: dict[str, int]) -> list[tuple[str, str, str
             if axis == "pipeline" and part == "moe_layers":
                 continue                                                # the stages' own slots
             calls = t.grad_accum * (t.microbatches if part == "moe_layers" and mesh["pipeline"] > 1 else 1)
+            if part in EPILOGUE_PARTS and not ticked:
+                calls *= t.epilogue_chunks        # each chunk's forward (recomputed) and backward gathers them
             size = (n - own["by_part"][part]) * f / (f - 1)
             if part not in ticked or part == "embed":                   # the prologue's embedding
                 out += [(axis, "weight all-gathers", "all_gather", FSDP_GATHERS * calls * size * dt / F32),

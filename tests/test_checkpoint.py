@@ -32,7 +32,7 @@ from r1jax.parallel import pipeline
 from r1jax.train import optim
 from r1jax.train import state as statelib
 from r1jax.train.__main__ import main as train_main
-from r1jax.train.step import forward
+from r1jax.train.step import trunk
 
 pytestmark = pytest.mark.slow      # whole runs, meshes or processes: `make test`, not `make check`
 
@@ -70,9 +70,13 @@ def test_circular_uneven_layout_round_trips_in_model_order(tmp_path):
     ids = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (4, 32)).astype(np.int32)
     batch = {"ids": jnp.asarray(ids), "segment_ids": jnp.ones((4, 32), jnp.int32),
              "positions": jnp.broadcast_to(jnp.arange(32, dtype=jnp.int32), (4, 32))}
-    with meshlib.activate(mesh):          # what training computes: the stack run from its slots
-        trained = np.asarray(jax.jit(lambda st: forward(nnx.merge(graphdef, st["params"], st["rest"]), batch, cfg,
-                                                        layout, False).logits)(state))
+    def pipelined(st):                    # what training computes: the stack run from its slots
+        m = nnx.merge(graphdef, st["params"], st["rest"])
+        x, positions, segment_ids, _ = trunk(m, batch, cfg, layout)
+        return m.epilogue(x, batch["ids"], positions, segment_ids).logits
+
+    with meshlib.activate(mesh):
+        trained = np.asarray(jax.jit(pipelined)(state))
 
     model = statelib.model(graphdef, state, layout)
     hf.save(model, cfg.model, tmp_path / "saved")

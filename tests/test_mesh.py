@@ -68,7 +68,9 @@ MESHES = {
     "data8": ["mesh.data=8"],
     "fsdp8": ["mesh.data=1", "mesh.fsdp=8"],
     # flash attention with its heads over tensor (and inside the pipelines' shard_map below)
-    "data2_tensor4_flash": ["mesh.data=2", "mesh.tensor=4", "kernels.attention=flash", "kernels.attention_block=16"],
+    # and the head (vocab over tensor), MTP block and loss on a quarter of a device's rows at a time
+    "data2_tensor4_flash": ["mesh.data=2", "mesh.tensor=4", "kernels.attention=flash", "kernels.attention_block=16",
+                            "train.epilogue_chunks=4"],
     "data2_fsdp2_tensor2_accum2_masked": ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "train.grad_accum=2", *MASKED],
     "expert4_data2": ["mesh.data=2", "mesh.expert=4"],                        # dropless: gather/scatter
     "expert4_data2_capacity": ["mesh.data=2", "mesh.expert=4", "kernels.moe_dispatch=capacity",
@@ -93,11 +95,12 @@ MESHES = {
     "pipeline2_expert2_data2_1f1b": ["mesh.data=2", "mesh.expert=2", "mesh.pipeline=2", "train.microbatches=2",
                                      "pipeline.schedule=1f1b"],
     # M > P: outputs wait in a ring of M-P+1 slots for their next repeat (4 repeats: the ring
-    # wraps), and a microbatch's rows sit on some stages only (2 rows a stage, 4 microbatches)
+    # wraps), and a microbatch's rows sit on some stages only (2 rows a stage, 4 microbatches);
+    # the epilogue on one of a device's 2 rows at a time
     "pipeline2_tensor2_data2_circular_masked": ["mesh.data=2", "mesh.tensor=2", "mesh.pipeline=2",
                                                 "train.microbatches=4", "pipeline.schedule=circular",
                                                 "pipeline.repeats=4", "kernels.attention=flash",
-                                                "kernels.attention_block=16", *MASKED],
+                                                "kernels.attention_block=16", "train.epilogue_chunks=2", *MASKED],
 }
 
 

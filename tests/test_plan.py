@@ -23,10 +23,12 @@ TINY = ROOT / "configs" / "tiny.yaml"
 DSV3 = ROOT / "configs" / "deepseek_v3_671b.yaml"
 LARGER = ["train.global_batch_size=16", "data.seq_len=128"]
 
-# mesh, overrides: data, tensor and pipeline meshes, remat none and full, grad_accum 1 and 2
-# (three compiles keep the file near a minute and a half on 2 idle cores; fsdp8 and the other
-# combinations are in the README's table)
+# mesh, overrides: data, tensor and pipeline meshes, remat none and full, grad_accum 1 and 2, the
+# epilogue in row chunks (four compiles keep the file near two minutes on 2 idle cores; fsdp8 and
+# the other combinations are in the README's table)
 CASES = {
+    "data2 vocab=4096 remat=none epilogue_chunks=4": (
+        {"data": 2}, ["model.vocab_size=4096", "train.remat=none", "train.epilogue_chunks=4"]),
     "data8 remat=none grad_accum=1": ({"data": 8}, ["train.remat=none"]),
     "data2 x tensor4 remat=full grad_accum=2": ({"data": 2, "tensor": 4}, ["train.remat=full", "train.grad_accum=2"]),
     "pipeline2 x data4 gpipe M=2 remat=none grad_accum=2": (

@@ -259,14 +259,23 @@ class Transformer(nnx.Module):
         layer, -1 where the router chooses (the generator records them: `Request.routing`)."""
         if kv is not None:
             return self._extend(input_ids, positions, segment_ids, kv, at, layers or {})
+        x, positions, segment_ids, aux = self.trunk(input_ids, positions, segment_ids, routing)
+        out = self.epilogue(x, input_ids, positions, segment_ids, mtp=mtp)
+        return Output(out.logits, out.mtp_logits, {**aux, **out.aux})
+
+    def trunk(self, input_ids: jax.Array, positions: jax.Array | None = None,
+              segment_ids: jax.Array | None = None, routing: jax.Array | None = None
+              ) -> tuple[jax.Array, jax.Array, jax.Array, dict[str, jax.Array]]:
+        """The prologue and the MoE stack, what `epilogue` runs on: (x [B,T,D], positions,
+        segment_ids, the stack's aux). The train step runs the epilogue apart, in row chunks
+        (`train.epilogue_chunks`)."""
         x, positions, segment_ids = self.prologue(input_ids, positions, segment_ids)
         aux: dict[str, jax.Array] = {}
         if self.moe_layers is not None:
             cos, sin = rope.cos_sin(self.cfg, positions, self.dtype)
             replay = None if routing is None else jnp.moveaxis(routing, 2, 0)
             x, aux = self.moe_layers(x, cos, sin, segment_ids, self.remat, replay=replay, stack=MOE_STACK)
-        out = self.epilogue(x, input_ids, positions, segment_ids, mtp=mtp)
-        return Output(out.logits, out.mtp_logits, {**aux, **out.aux})
+        return x, positions, segment_ids, aux
 
     def _extend(self, input_ids, positions, segment_ids, kv: KV, at, layers) -> Output:
         B, T = input_ids.shape

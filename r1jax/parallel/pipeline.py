@@ -59,7 +59,7 @@ from r1jax import logical
 from r1jax.config import Config, Schedule
 from r1jax.model import lora as loralib
 from r1jax.model import rope
-from r1jax.model.transformer import MOE_STACK, Output, scan_blocks
+from r1jax.model.transformer import MOE_STACK, scan_blocks
 from r1jax.parallel import jax_fixes
 
 jax_fixes.apply()          # expert parallelism inside the stages nests shard_maps (jax_fixes says why)
@@ -293,12 +293,14 @@ def _stage_aux(acc: dict, layout: Layout) -> dict:
 
 
 # ------------------------------------------------------------------------ gpipe, circular
-def forward(model, batch: dict, *, layout: Layout, microbatches: int, mtp: bool = False,
-            stage_remat: bool = False) -> Output:
-    """The model's forward pass over `batch` (ids, positions, segment_ids [B, T]) with the MoE
-    stack pipelined (GPipe, or circular when layout.repeats > 1) from its slots in `model`;
-    differentiable. Equals the model-order model's forward up to fp32 rounding. `stage_remat`:
-    the backward keeps only each tick's stage input and recomputes the stage from it."""
+def trunk(model, batch: dict, *, layout: Layout, microbatches: int, stage_remat: bool = False
+          ) -> tuple[jax.Array, jax.Array, jax.Array, dict]:
+    """`Transformer.trunk` over `batch` (ids, positions, segment_ids [B, T]) with the MoE stack
+    pipelined (GPipe, or circular when layout.repeats > 1) from its slots in `model`:
+    (stack output, positions, segment_ids, the stack's aux in model order), the output's rows
+    on the stages that hold them, for the epilogue; differentiable. Equals the model-order
+    trunk up to fp32 rounding. `stage_remat`: the backward keeps only each tick's stage input
+    and recomputes the stage from it."""
     M, Ps, R, C = microbatches, layout.stages, layout.repeats, layout.chunk
     input_ids = batch["ids"]
     x, positions, segment_ids = model.prologue(input_ids, batch["positions"], batch["segment_ids"])
@@ -379,8 +381,7 @@ def forward(model, batch: dict, *, layout: Layout, microbatches: int, mtp: bool 
     ym, acc = run(state, valid, _by_stage(x), _split(positions, M), _split(segment_ids, M), base, slot_keys, rowm)
     # each stage goes on with its own rows of the stack's output (the batch over pipeline)
     y = logical.constrain(ym.reshape(-1, *ym.shape[3:]), "batch", "seq", "act_embed")
-    out = model.epilogue(y, input_ids, positions, segment_ids, mtp=mtp)
-    return Output(out.logits, out.mtp_logits, {**_stage_aux(acc, layout), **out.aux})
+    return y, positions, segment_ids, _stage_aux(acc, layout)
 
 
 # ------------------------------------------------------------------------------ 1F1B

@@ -3,7 +3,9 @@ and the eval step beside it. State is r1jax/train/state.py's pytree; the model's
 split once outside and merged inside, so both steps are pure functions.
 
 One step: the global batch is split into `train.grad_accum` microbatches (rows a, a+A, ... so
-each keeps its data sharding), scanned with gradients summed in fp32. The loss is the
+each keeps its data sharding), scanned with gradients summed in fp32; within each, the trunk
+(prologue and MoE stack, pipelined when the run is) and then the epilogue (final norm, head,
+MTP) and the objective in `train.epilogue_chunks` checkpointed row chunks. The loss is the
 objective's (r1jax/train/objectives.py) summed loss over the whole batch's `objective.tokens`,
 plus the objective's `balance_weight` (`loss.seq_aux_loss_alpha`) times the MoE balance loss
 summed over layers and averaged over rows; both denominators come from the batch alone, so A microbatches (and every pipeline
@@ -44,20 +46,68 @@ from r1jax.train import state as statelib
 from r1jax.train.objectives import Objective
 
 State = dict[str, Any]
+EPILOGUE = ("final_norm", "lm_head_DW", "mtp", "embed")     # Transformer.epilogue's parts (the MTP blocks read embed)
 AUX = ("load", "dropped", "balance", "mtp_load", "mtp_dropped", "mtp_balance")   # summed over rows
 
 
-def forward(model, batch: dict, cfg: Config, layout: pipeline.Layout | None, mtp: bool, dropout_key=None):
-    """The model's output on `batch`, through the run's pipeline when it has one (GPipe or
-    circular; 1F1B interleaves the backward and is the step's own). A batch with "routing" (GRPO's
-    Rollout Routing Replay) replays those expert choices. `dropout_key`: training's LoRA dropout
-    (lora.dropout) draws from it, each row by its number in the step's batch (batch["row"]);
-    None: none (eval)."""
+def trunk(model, batch: dict, cfg: Config, layout: pipeline.Layout | None):
+    """The prologue and MoE stack on `batch`, through the run's pipeline when it has one (GPipe
+    or circular; 1F1B interleaves the backward and is the step's own): (x, positions,
+    segment_ids, the stack's aux). A batch with "routing" (GRPO's Rollout Routing Replay)
+    replays those expert choices. Run it under `loralib.dropout` for training's LoRA dropout."""
+    if layout is None:
+        return model.trunk(batch["ids"], batch["positions"], batch["segment_ids"], routing=batch.get("routing"))
+    return pipeline.trunk(model, batch, layout=layout, microbatches=cfg.train.microbatches,
+                          stage_remat=cfg.pipeline.stage_remat)
+
+
+def epilogue_loss(model, x, positions, segment_ids, batch: dict, objective: Objective, tokens, rows: int,
+                  chunks: int = 1):
+    """(loss, stats) of the epilogue (final norm, head, MTP modules) and the objective on the
+    trunk's output, as `head_loss` sums them. With `chunks` > 1 the rows run in that many
+    sequential chunks (rows c, c+chunks, ...: every device keeps its own rows), each recomputed
+    in the backward: the logits, the MTP blocks' working set and their saved activations are a
+    chunk's, not the whole batch's, for one more forward of the head and MTP blocks
+    (train.epilogue_chunks). Dropout masks follow each row's number (batch["row"])."""
+    def piece_loss(model, x, pos, seg, piece):
+        with loralib.rows(piece.get("row")):
+            out = model.epilogue(x, piece["ids"], pos, seg, mtp=objective.mtp)
+        return head_loss(out, piece, objective, tokens, rows)
+
+    if chunks == 1:
+        return piece_loss(model, x, positions, segment_ids, batch)
+    # only the epilogue's parts go through the chunk loop as arguments: autodiff carries a
+    # gradient sum through the loop for each of them
+    graphdef, state, others = nnx.split(model, lambda path, _: path[0] in EPILOGUE, ...)
+    split = lambda a: a.reshape(-1, chunks, *a.shape[1:]).swapaxes(0, 1)
+
+    def run(state, x, pos, seg, piece):
+        x = logical.constrain(x, "batch", "seq", "act_embed")
+        return piece_loss(nnx.merge(graphdef, state, others), x, pos, seg, piece)
+
+    run = jax.checkpoint(run, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
+    xs = (split(x), split(positions), split(segment_ids), jax.tree.map(split, batch))
+    first = jax.tree.map(lambda a: a[0], xs)
+    zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(run, state, *first))
+
+    def body(carry, xs):
+        return jax.tree.map(jnp.add, carry, run(state, *xs)), None
+
+    return jax.lax.scan(body, zeros, xs)[0]
+
+
+def model_loss(model, batch: dict, cfg: Config, layout: pipeline.Layout | None, objective: Objective, tokens,
+               rows: int, dropout_key=None):
+    """(loss, stats) of `objective` on `batch`: the trunk (`trunk`), then the epilogue and the
+    objective in train.epilogue_chunks chunks (`epilogue_loss`), plus the stack's balance loss.
+    `dropout_key`: training's LoRA dropout (lora.dropout) draws from it, each row by its number
+    in the step's batch (batch["row"]); None: none (eval)."""
     with loralib.dropout(dropout_key, cfg.lora.dropout if cfg.lora.rank else 0.0, batch.get("row")):
-        if layout is None:
-            return model(batch["ids"], batch["positions"], batch["segment_ids"], mtp=mtp, routing=batch.get("routing"))
-        return pipeline.forward(model, batch, layout=layout, microbatches=cfg.train.microbatches, mtp=mtp,
-                                stage_remat=cfg.pipeline.stage_remat)
+        x, positions, segment_ids, aux = trunk(model, batch, cfg, layout)
+        loss, stats = epilogue_loss(model, x, positions, segment_ids, batch, objective, tokens, rows,
+                                    cfg.train.epilogue_chunks)
+    stack = {k: aux[k].astype(jnp.float32) for k in AUX if k in aux}
+    return loss + objective.balance_weight * _balance(stack) / rows, {**stats, **stack}
 
 
 def dropout_key(cfg: Config, step: jax.Array) -> jax.Array | None:
@@ -75,8 +125,11 @@ def head_loss(out, batch: dict, objective: Objective, tokens, rows: int):
     Stats are sums, so the parts of a step add."""
     loss_sum, n, metrics = objective(out, batch)
     stats = {"metrics": metrics, "tokens": n, **{k: out.aux[k].astype(jnp.float32) for k in AUX if k in out.aux}}
-    balance = sum(stats[k].sum() for k in ("balance", "mtp_balance") if k in stats)
-    return loss_sum / tokens + objective.balance_weight * balance / rows, stats
+    return loss_sum / tokens + objective.balance_weight * _balance(stats) / rows, stats
+
+
+def _balance(stats: dict):
+    return sum(stats[k].sum() for k in ("balance", "mtp_balance") if k in stats)
 
 
 def update_router_bias(rest: nnx.State, load: jax.Array, mtp_load: jax.Array | None, rate: float,
@@ -116,16 +169,13 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, cfg: Config, mes
     lr_schedule = optim.schedule(cfg.optim, t.steps)
 
     def micro_loss(params, rest, mb, tokens, scale, key, *, rows):
-        out = forward(nnx.merge(graphdef, params, rest), mb, cfg, layout, objective.mtp, key)
-        loss, stats = head_loss(out, mb, objective, tokens, rows)
+        loss, stats = model_loss(nnx.merge(graphdef, params, rest), mb, cfg, layout, objective, tokens, rows, key)
         return loss * scale, stats
 
     if layout is not None and cfg.pipeline.schedule is Schedule.onefoneb:
         def grad_fn(params, rest, mb, tokens, scale, key, *, rows):
             def piece_loss(model, y, piece):
-                with loralib.rows(piece.get("row")):
-                    out = model.epilogue(y, piece["ids"], piece["positions"], piece["segment_ids"], mtp=objective.mtp)
-                return head_loss(out, piece, objective, tokens, rows)
+                return epilogue_loss(model, y, piece["positions"], piece["segment_ids"], piece, objective, tokens, rows)
             with loralib.dropout(key, cfg.lora.dropout if cfg.lora.rank else 0.0, mb.get("row")):
                 return pipeline.loss_and_grads_1f1b(graphdef, params, rest, mb, layout=layout,
                                                     microbatches=t.microbatches, head_loss=piece_loss,
@@ -209,8 +259,8 @@ def make_eval_step(graphdef, cfg: Config, mesh: Mesh, shardings: State, objectiv
 
     def eval_step(state, batch):
         params = jax.lax.with_sharding_constraint(state["params"], msh) if gather else state["params"]   # ZeRO-1
-        out = forward(nnx.merge(graphdef, params, state["rest"]), batch, cfg, layout, objective.mtp)
-        return objective(out, batch)[2]
+        model = nnx.merge(graphdef, params, state["rest"])
+        return model_loss(model, batch, cfg, layout, objective, 1.0, batch["ids"].shape[0])[1]["metrics"]
 
     with meshlib.activate(mesh):
         return meshlib.MeshedJit(jax.jit(eval_step, in_shardings=(shardings, meshlib.batch_sharding(mesh)),
