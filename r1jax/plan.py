@@ -30,8 +30,8 @@ ZeRO-1 (optim.zero1): the fp32 masters and Adam's moments of each trainable leaf
 over `data` (and `expert` for leaves not split over it) where r1jax.train.state.zero1_spec puts
 them (the first dimension that divides; a leaf no dimension of which divides keeps its model
 shard); the gradients stay a whole model-sharded fp32 set, and the step holds the masters
-gathered back to the model's sharding (fp32, as r1jax/train/step.py gathers them) until the
-optimizer runs.
+gathered back to the model's sharding until the optimizer runs: as r1jax/train/step.py gathers
+them, in the compute dtype (the router and the embedding in fp32) or in fp32 (fp32 runs, 1F1B).
 
 Communication (`communication`): the bytes each device moves per optimizer step over each mesh
 axis of size > 1, and where. An axis's groups sit on `inside` GPUs of each of `nodes` nodes,
@@ -99,6 +99,7 @@ from typing import Any
 from r1jax import config as configlib
 from r1jax import logical
 from r1jax.config import AttentionImpl, Config, ConfigError, DType, MeshConfig, MoEDispatch, Remat, Schedule
+from r1jax.train.step import FP32_LEAVES, compute_gather
 
 AXES = configlib.MESH_AXES
 GPUS_PER_NODE = 8
@@ -240,7 +241,10 @@ def state_bytes(cfg: Config, mesh: dict[str, int]) -> dict[str, Any]:
     out = _state_bytes(cfg.model, _layout(cfg, mesh), _key(mesh), _lora(cfg), cfg.optim.zero1)
     # AdamW's mu + nu are counted in fp32 below; optim.moment_dtype=bf16 halves them
     opt = (out["opt"] - 8) * _moment_bytes(cfg) // F32 + 8
-    return {**out, "opt": opt, "by_part": dict(out["by_part"])}
+    gathered = out["gathered"]
+    if compute_gather(cfg) is not None:     # ZeRO-1 gathers a compute-dtype copy (fp32 where the model reads fp32)
+        gathered = (gathered - out["gathered_fp32"]) * DTYPE_BYTES[cfg.train.dtype] // F32 + out["gathered_fp32"]
+    return {**out, "opt": opt, "gathered": gathered, "by_part": dict(out["by_part"])}
 
 
 def _moment_bytes(cfg: Config) -> int:
@@ -253,11 +257,12 @@ def _state_bytes(model: configlib.ModelConfig, layout, mesh_key: tuple, lora=Non
     """`params`: the fp32 masters (ZeRO-1 shards with `zero1`); `grads`, `by_part` and
     `largest_leaf`: the trainable leaves in the model's sharding (gradients, the compute copy);
     `gathered`: with ZeRO-1, the masters gathered back to the model's sharding for the step
-    (r1jax/train/step.py gathers every leaf ZeRO-1 splits, in fp32, once per step)."""
+    (r1jax/train/step.py gathers every leaf ZeRO-1 splits once per step), in fp32, and
+    `gathered_fp32` of them the leaves it gathers in fp32 in any compute dtype (FP32_LEAVES)."""
     mesh = dict(mesh_key)
     parts: dict[str, int] = {}
-    out = {"params": 0, "grads": 0, "gathered": 0, "router_bias": 0, "frozen": 0, "largest_leaf": 0,
-           "params_global": 0, "by_part": parts}
+    out = {"params": 0, "grads": 0, "gathered": 0, "gathered_fp32": 0, "router_bias": 0, "frozen": 0,
+           "largest_leaf": 0, "params_global": 0, "by_part": parts}
     for leaf, shape, names in _placed(model, layout, lora):
         dims = _dim_axes(names, mesh_key)
         n = math.prod(_split_shape(shape, dims, mesh)) * leaf.itemsize
@@ -267,6 +272,8 @@ def _state_bytes(model: configlib.ModelConfig, layout, mesh_key: tuple, lora=Non
             master = math.prod(_zero1_shape(shape, dims, mesh)) * leaf.itemsize if zero1 else n
             out["params"] += master
             out["gathered"] += n if master < n else 0
+            if master < n and leaf.path.rsplit("/", 1)[-1] in FP32_LEAVES:
+                out["gathered_fp32"] += n
             out["grads"] += n                      # fp32, constrained to the model's shardings
             out["params_global"] += math.prod(leaf.shape) * leaf.itemsize
             out["largest_leaf"] = max(out["largest_leaf"], n)
@@ -787,9 +794,13 @@ def _grad_traffic(cfg: Config, mesh: dict[str, int], spans: dict[str, tuple[int,
                   ) -> list[tuple[str, str, str, float]]:
     """The gradients' all-reduce over the batch axes, once per step. Over several axes it is
     done axis by axis (a reduce-scatter over one, the rest on the shards), the axis with the
-    most GPUs inside a node first; ZeRO-1's reduce-scatter plus all-gather moves the same."""
+    most GPUs inside a node first; ZeRO-1's reduce-scatter plus all-gather moves the same, or
+    (1 + dt/4)/2 of it when its all-gather is of a compute-dtype copy (the router's and the
+    embedding's fp32 gathers counted so too: a small share)."""
     out = []
+    low = cfg.optim.zero1 and compute_gather(cfg) is not None
     for group, size in _grad_groups(cfg.model, _layout(cfg, mesh), _key(mesh), _lora(cfg)):
+        size *= (1 + DTYPE_BYTES[cfg.train.dtype] / F32) / 2 if low else 1
         for a in sorted(group, key=lambda a: (-spans[a][0], spans[a][1])):
             out.append((a, "gradient all-reduce", "all_reduce", size))
             size /= mesh[a]
@@ -1102,7 +1113,8 @@ def report(cfg: Config, r: dict[str, Any]) -> str:
             ("  = state", r["argument"]),
             (f"temporaries at the peak ({a['phase']})", None),
             ("  gradients (fp32" + (", running sum + microbatch)" if t.grad_accum > 1 else ")"), a["gradients"]),
-            *([("  masters gathered for the step (fp32, ZeRO-1)", a["gathered"])] if cfg.optim.zero1 else []),
+            *([(f"  masters gathered for the step ({'fp32' if compute_gather(cfg) is None else t.dtype.value} "
+                "copy, ZeRO-1)", a["gathered"])] if cfg.optim.zero1 else []),
             ("  activations saved for backward", a["activations"]),
             ("  logits + their gradient (fp32)", a["logits"]),
             ("  transient working set", a["working"]),

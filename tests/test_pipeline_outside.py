@@ -195,3 +195,70 @@ def test_circular_stage_remat_keeps_no_weights_per_tick():
     chunk = setup.layout.chunk
     per_tick = [line for line in _loop_lines(text) if re.search(rf"f32\[{ticks},{chunk},\d+,\d+", line)]
     assert not per_tick, per_tick[0][:300]
+
+
+def _scan_carries(jaxpr) -> list:
+    """The carry avals of every scan in `jaxpr` and the jaxprs inside it (shard_map, cond,
+    checkpoint, pjit bodies)."""
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scan":
+            n, c = eqn.params["num_consts"], eqn.params["num_carry"]
+            out += [v.aval for v in eqn.invars[n:n + c]]
+        for p in eqn.params.values():
+            for sub in (p if isinstance(p, (list, tuple)) else [p]):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    out += _scan_carries(inner)
+    return out
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "circular"])
+def test_zero1_bf16_copy_sums_the_ticks_gradients_in_fp32(schedule):
+    """bf16 with ZeRO-1 gathers a bf16 copy of the masters, and the pipeline's tick loop and the
+    epilogue's chunk loop read it through fp32 zero taps (`layers.tap`): the loops' gradient
+    sums of the stage weights and of the head are fp32 carries, never bf16 ones (autodiff sums a
+    loop constant's gradient in its own dtype). Traced only: XLA:CPU cannot compile a bf16
+    pipeline (its bf16 all-reduce promotion fails on the tick loop's cond: "Invalid binary
+    instruction opcode copy", with or without ZeRO-1)."""
+    over = PIPE + ["train.dtype=bf16", "optim.zero1=true", "train.epilogue_chunks=2",
+                   f"pipeline.schedule={schedule}"]
+    cfg, setup = _setup(over)
+    leaves = {p[-1]: v for p, v in nnx.to_flat_state(setup.state["params"])}
+    gate = leaves["gate_EDF"].get_value()                                      # [slots, E, D, F]
+    head = leaves["lm_head_DW"].get_value()
+    with meshlib.activate(setup.mesh):
+        jaxpr = setup.step.fn.trace(setup.state, tiny_batches(cfg, 1)[0]).jaxpr
+    carries = _scan_carries(jaxpr.jaxpr)
+    stage_gate = (gate.shape[0] // cfg.mesh.pipeline, *gate.shape[1:])        # one stage's, in the shard_map
+    sums = {str(a.dtype) for a in carries if tuple(a.shape) in (stage_gate, gate.shape)}
+    heads = {str(a.dtype) for a in carries if tuple(a.shape) == head.shape}
+    assert sums == {"float32"} and heads == {"float32"}, (sums, heads)
+
+
+def test_taps_carry_the_pipeline_and_epilogue_gradients():
+    """The tapped forward (ZeRO-1's compute-dtype copy, here in fp32 where the copy is the masters
+    themselves) gives the gradients of the plain one: the stack's through the ticks' taps, the
+    head's and MTP block's through the epilogue chunks' (each stop-gradients the weights it is
+    handed, so a tap not wired would leave those gradients at zero)."""
+    from r1jax.model.layers import tap
+    from r1jax.train import objectives
+    from r1jax.train.step import model_loss
+    cfg, setup = _setup(PIPE + ["train.epilogue_chunks=2"])
+    params, rest = setup.state["params"], setup.state["rest"]
+    batch, objective = tiny_batches(cfg, 1)[0], objectives.make(cfg)
+    tokens, rows = objective.tokens(batch), batch["ids"].shape[0]
+
+    def loss(params, z=None):
+        model = nnx.merge(setup.graphdef, params if z is None else tap(params, z), rest)
+        taps = None if z is None else nnx.merge(setup.graphdef, z, jax.tree.map(jnp.zeros_like, rest))
+        return model_loss(model, batch, cfg, setup.layout, objective, tokens, rows, taps=taps)[0]
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    with meshlib.activate(setup.mesh):
+        plain = jax.jit(jax.grad(loss))(params)
+        tapped = jax.jit(jax.grad(lambda z: loss(params, z)))(zeros)
+    for (path, a), (_, b) in zip(nnx.to_flat_state(plain), nnx.to_flat_state(tapped)):
+        a, b = np.asarray(a.get_value()), np.asarray(b.get_value())
+        assert np.abs(a).max() > 0 or "mtp" in path, path
+        np.testing.assert_allclose(b, a, rtol=0, atol=1e-7 * max(np.abs(a).max(), 1e-30), err_msg=str(path))

@@ -95,7 +95,7 @@ def test_deepseek_published_layout_is_planned_and_flagged(dsv3):
     """DeepSeek's own layout (DP 2 x EP 64 x PP 16 on 256 nodes), expert parallelism inside pipeline
     stages, is planned with no refusal."""
     cfg, _ = dsv3
-    cfg = configlib.load(DSV3, ["train.global_batch_size=2048", "train.microbatches=16"])
+    cfg = configlib.load(DSV3, ["train.global_batch_size=2048", "train.microbatches=16", "train.epilogue_chunks=1"])
     r = plan.plan(cfg, {"data": 2, "expert": 64, "pipeline": 16}, "h100-80gb", nodes=256, search=False)
     assert r["refused"] is None
     # pipeline: the MoE stack's 58 layers sit in 64 slots, 4 per stage
@@ -242,7 +242,8 @@ def test_fsdp32_x_expert8_on_256_h100_fits_but_is_comm_bound():
     device over IB: fsdp spans 32 nodes with one GPU on each, so every microbatch gathers the
     bf16 weights twice and reduce-scatters fp32 gradients, against ~1 s of compute."""
     mesh = {"fsdp": 32, "expert": 8}
-    cfg = plan.load_for_mesh(DSV3, [*H100_256, "train.global_batch_size=256", "train.microbatches=1"], mesh)
+    cfg = plan.load_for_mesh(DSV3, [*H100_256, "train.global_batch_size=256", "train.microbatches=1",
+                                              "train.epilogue_chunks=1"], mesh)
     r = plan.plan(cfg, mesh, "h100-80gb", nodes=32, search=False)
     print(f"\n{chr(10).join(plan.comm_report(r['comm']))}\ntotal {r['total'] / 2**30:.2f} GiB")
     assert r["fits"] and r["rows_per_device"] == 1
@@ -271,7 +272,8 @@ def test_deepseek_layout_communication(tmp_path):
     (at most 4 nodes), in FP8, and overlapping it (DualPipe), none of which r1jax does."""
     mesh = {"data": 2, "expert": 64, "pipeline": 16}
     dcn = {"data": 2, "expert": 8, "pipeline": 16}
-    cfg = plan.load_for_mesh(DSV3, [*H100_256, "train.global_batch_size=2048", "train.microbatches=16"], mesh, dcn)
+    cfg = plan.load_for_mesh(DSV3, [*H100_256, "train.global_batch_size=2048", "train.microbatches=16",
+                                     "train.epilogue_chunks=1"], mesh, dcn)
     r = plan.plan(cfg, mesh, "h100-80gb", nodes=256, search=False, dcn=dcn)
     print(f"\n{chr(10).join(plan.comm_report(r['comm']))}\ntotal {r['total'] / 2**30:.2f} GiB")
     axes = r["comm"]["axes"]
@@ -283,7 +285,8 @@ def test_deepseek_layout_communication(tmp_path):
     sent = 3 * 2 * (16 * 4 * buffer(1) + 1 * buffer(1))
     assert axes["expert"]["parts"]["dispatch + combine"] == pytest.approx(sent * 63 / 64, rel=1e-6)
     assert axes["expert"]["ib_bytes"] > 0.9 * sent * 56 / 64
-    fsdp32 = plan.plan(plan.load_for_mesh(DSV3, [*H100_256, "train.global_batch_size=256", "train.microbatches=1"],
+    fsdp32 = plan.plan(plan.load_for_mesh(DSV3, [*H100_256, "train.global_batch_size=256", "train.microbatches=1",
+                                              "train.epilogue_chunks=1"],
                                           {"fsdp": 32, "expert": 8}),
                        {"fsdp": 32, "expert": 8}, "h100-80gb", nodes=32, search=False)
     assert r["comm"]["ratio"] < fsdp32["comm"]["ratio"] / 2

@@ -249,3 +249,44 @@ def test_zero1_resumes_bit_for_bit(zero1_run):
     assert resumed == losses[RESUME_AT:]
     for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(final)):
         assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.slow
+def test_bf16_zero1_gathers_a_bf16_copy_with_the_same_gradients():
+    """In bf16 ZeRO-1 gathers the masters as a bf16 copy (half the bytes of the fp32 gather; the
+    router and the embedding, which the model reads in fp32, stay fp32) and the gradients are
+    summed in fp32 as without ZeRO-1: one SGD step (lr 1, so the update is the gradient) on data2
+    equals the one without ZeRO-1 bit for bit, the epilogue in 2 chunks (a loop whose gradient
+    sums go through fp32 taps). XLA:CPU promotes bf16 collectives to fp32, so the copy is read off
+    the traced step: the constraint that gathers each master takes its bf16 cast."""
+    import optax
+    from jax.sharding import NamedSharding
+    from flax import nnx
+    from test_step import _batch
+    out, gathered = {}, {}
+    for zero1 in (False, True):
+        # (16 experts: no other leaf has the router's [64, 16] shape)
+        cfg = configlib.load(TINY, ["mesh.data=2", "train.dtype=bf16", "train.epilogue_chunks=2",
+                                    "model.n_routed_experts=16", f"optim.zero1={str(zero1).lower()}"])
+        setup = build(cfg, meshlib.make_mesh(cfg.mesh, jax.devices()[:2]), tx=optax.sgd(1.0))
+        batch = _batch(cfg)
+        p0 = _values(setup.state["params"])
+        with meshlib.activate(setup.mesh):
+            jaxpr = setup.step.fn.trace(setup.state, batch).jaxpr
+        state, _ = setup.step(setup.state, batch)
+        out[zero1] = {k: p0[k] - v for k, v in _values(state["params"]).items()}
+        # the dtypes constrained at each master's whole shape: the gather (and the gradients, fp32)
+        shapes = {p[-1]: v.get_value().shape for p, v in nnx.to_flat_state(setup.state["params"])}
+        gathered[zero1] = {name: set() for name in shapes}
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "sharding_constraint" and isinstance(eqn.params["sharding"], NamedSharding):
+                for v in eqn.invars:
+                    for name, shape in shapes.items():
+                        if tuple(v.aval.shape) == shape:
+                            gathered[zero1][name].add(str(v.aval.dtype))
+    for k in out[False]:
+        assert np.array_equal(out[False][k], out[True][k]), k
+    # (without ZeRO-1 only the routed experts are constrained in bf16: the dispatch's cast weights)
+    for name in ("lm_head_DW", "wkv_a_DC"):
+        assert "bfloat16" in gathered[True][name] and "bfloat16" not in gathered[False][name], name
+    assert "bfloat16" not in gathered[True]["router_DE"] | gathered[True]["embedding_WD"], gathered[True]

@@ -43,6 +43,20 @@ def cast(w: nnx.Variable | jax.Array, dtype) -> jax.Array:
     return v.astype(dtype)
 
 
+def tap(w, z):
+    """`w` (a compute-dtype copy of weights) with its gradient routed to `z` (fp32 zeros of the
+    same tree) instead: sg(w) + z cast to w's dtype, the same values. Autodiff sums a loop
+    constant's gradient over the iterations in the constant's own dtype, so a scan that reads
+    a bf16 copy passes z in beside it and taps inside its body: the sum is kept in fp32, as
+    when the loop reads the fp32 masters and casts them at each use (ZeRO-1's compute-dtype
+    gather, r1jax/train/step.py). Integer leaves pass through."""
+    def one(a, b):
+        if not jnp.issubdtype(a.dtype, jnp.inexact):
+            return a
+        return jax.lax.stop_gradient(a) + b.astype(a.dtype)
+    return jax.tree.map(one, w, z)
+
+
 def _contract(x: jax.Array, w: jax.Array, n_in: int) -> jax.Array:
     dims = ((tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in))), ((), ()))
     return jax.lax.dot_general(x, w, dims)

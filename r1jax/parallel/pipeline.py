@@ -59,6 +59,7 @@ from r1jax import logical
 from r1jax.config import Config, Schedule
 from r1jax.model import lora as loralib
 from r1jax.model import rope
+from r1jax.model.layers import tap
 from r1jax.model.transformer import MOE_STACK, scan_blocks
 from r1jax.parallel import jax_fixes
 
@@ -293,25 +294,32 @@ def _stage_aux(acc: dict, layout: Layout) -> dict:
 
 
 # ------------------------------------------------------------------------ gpipe, circular
-def trunk(model, batch: dict, *, layout: Layout, microbatches: int, stage_remat: bool = False
+def trunk(model, batch: dict, *, layout: Layout, microbatches: int, stage_remat: bool = False, taps=None
           ) -> tuple[jax.Array, jax.Array, jax.Array, dict]:
     """`Transformer.trunk` over `batch` (ids, positions, segment_ids [B, T]) with the MoE stack
     pipelined (GPipe, or circular when layout.repeats > 1) from its slots in `model`:
     (stack output, positions, segment_ids, the stack's aux in model order), the output's rows
     on the stages that hold them, for the epilogue; differentiable. Equals the model-order
     trunk up to fp32 rounding. `stage_remat`: the backward keeps only each tick's stage input
-    and recomputes the stage from it."""
+    and recomputes the stage from it. `taps`: the same model holding fp32 zeros, through which
+    the stack's gradients flow (`layers.tap`: summed over the ticks in fp32 when `model` holds a
+    compute-dtype copy)."""
     M, Ps, R, C = microbatches, layout.stages, layout.repeats, layout.chunk
     input_ids = batch["ids"]
     x, positions, segment_ids = model.prologue(input_ids, batch["positions"], batch["segment_ids"])
     x = logical.constrain(x, "batch", "seq", "act_embed")     # each stage its own rows, gathered entering the stages
     graphdef, state, valid = _stack_parts(model, layout)
+    zs = None
+    if taps is not None:
+        zs, state = _stack_parts(taps, layout)[1], jax.lax.stop_gradient(state)
     stage = _stage_fn(model, graphdef)
 
-    def stage_at(w, valid, r, x, pos, seg, keys, rows):
+    def stage_at(w, zw, valid, r, x, pos, seg, keys, rows):
         # repeat r's weights are picked inside: under stage_remat the tick then keeps the whole
         # (loop-invariant) stack once, not a copy of its repeat's slice every tick
-        return stage(jax.tree.map(lambda a: a[r], w), valid[r], x, pos, seg, None if keys is None else keys[r], rows)
+        pick = functools.partial(jax.tree.map, lambda a: a[r])
+        w = pick(w) if zw is None else tap(pick(w), pick(zw))
+        return stage(w, valid[r], x, pos, seg, None if keys is None else keys[r], rows)
 
     # (prevent_cse is for checkpoints outside a loop; inside the tick scan it only costs)
     run_stage = jax.checkpoint(stage_at, policy=jax.checkpoint_policies.nothing_saveable,
@@ -321,11 +329,11 @@ def trunk(model, batch: dict, *, layout: Layout, microbatches: int, stage_remat:
     base, slot_keys = _dropout_inputs(layout)
     rowm = _split(batch["row"], M) if base is not None else None
 
-    def per_device(w, valid, xs, posm, segm, base, keys, rowm):
+    def per_device(w, zw, valid, xs, posm, segm, base, keys, rowm):
         with _dropout_scope(base):
-            return body(w, valid, xs, posm, segm, keys, rowm)
+            return body(w, zw, valid, xs, posm, segm, keys, rowm)
 
-    def body(w, valid, xs, posm, segm, keys, rowm):
+    def body(w, zw, valid, xs, posm, segm, keys, rowm):
         s = lax.axis_index(AXIS)
         # this stage's rows of the stack's input [S, r, T, D]. Stage 0 assembles microbatch m at
         # tick m and the last stage's output of microbatch m goes to the stages holding its rows
@@ -333,7 +341,7 @@ def trunk(model, batch: dict, *, layout: Layout, microbatches: int, stage_remat:
         # the outputs of every tick
         own = xs[:, 0]
         x_like = jnp.zeros((posm.shape[1], *own.shape[2:]), own.dtype)        # one microbatch
-        w = jax.tree.map(lambda a: a.reshape(R, C, *a.shape[1:]), w)
+        w, zw = jax.tree.map(lambda a: a.reshape(R, C, *a.shape[1:]), (w, zw))
         keys = None if keys is None else keys.reshape(R, C, *keys.shape[1:])
         valid = valid.reshape(R, C)
         # circular: an output back at stage 0 waits M-P ticks for its microbatch's next repeat,
@@ -363,7 +371,7 @@ def trunk(model, batch: dict, *, layout: Layout, microbatches: int, stage_remat:
                 fresh = jnp.where(r == 0, fresh, buf[(t - M) % K])
             x_in = jnp.where(s == 0, fresh, state)
             # (R=1: a static index, which autodiff keeps once, not a traced one it keeps every tick)
-            y, aux = run_stage(w, valid, r if R > 1 else 0, x_in, posm[m], segm[m], keys,
+            y, aux = run_stage(w, zw, valid, r if R > 1 else 0, x_in, posm[m], segm[m], keys,
                                None if rowm is None else rowm[m])
             acc = jax.tree.map(lambda a, b: a.at[r].add(jnp.where(active, b, jnp.zeros_like(b))), acc, aux)
             # the last stage's output of microbatch e (its last repeat), to the stages that hold its rows
@@ -376,9 +384,9 @@ def trunk(model, batch: dict, *, layout: Layout, microbatches: int, stage_remat:
         (_, _, out, acc), _ = lax.scan(tick, (_vary(x_like), buf0, _vary(jnp.zeros_like(own)), acc0), jnp.arange(ticks))
         return out[:, None], jax.tree.map(lambda a: a.reshape(R * C, *a.shape[2:]), acc)
 
-    run = jax.shard_map(per_device, in_specs=(P(AXIS), P(AXIS), P(None, AXIS), P(), P(), P(), P(AXIS), P()),
+    run = jax.shard_map(per_device, in_specs=(P(AXIS), P(AXIS), P(AXIS), P(None, AXIS), P(), P(), P(), P(AXIS), P()),
                         out_specs=(P(None, AXIS), P(AXIS)), axis_names={AXIS})
-    ym, acc = run(state, valid, _by_stage(x), _split(positions, M), _split(segment_ids, M), base, slot_keys, rowm)
+    ym, acc = run(state, zs, valid, _by_stage(x), _split(positions, M), _split(segment_ids, M), base, slot_keys, rowm)
     # each stage goes on with its own rows of the stack's output (the batch over pipeline)
     y = logical.constrain(ym.reshape(-1, *ym.shape[3:]), "batch", "seq", "act_embed")
     return y, positions, segment_ids, _stage_aux(acc, layout)

@@ -21,9 +21,12 @@ With ZeRO-1 (`optim.zero1`, r1jax/train/state.py) the state's masters and moment
 model's sharding (an all-gather, once per step, before any microbatch), computes the gradients
 there as without ZeRO-1, then constrains them to the masters' sharding (a reduce-scatter; XLA:CPU
 all-reduces and keeps each device's slice), so the optimizer update, the moments and the new
-masters stay split: the step's state arguments shrink by the same factor (tests/test_zero1.py). The gather is in fp32: the model
-casts each weight to the compute dtype at its use and keeps the router's weights in fp32 (expert
-selection is computed in fp32), so a bf16 copy gathered up front would change bf16 routing.
+masters stay split: the step's state arguments shrink by the same factor (tests/test_zero1.py).
+In bf16/fp16 runs the gather is of a compute-dtype copy (`gathered`), except the leaves the model
+reads in fp32 (FP32_LEAVES: the router, the embedding); the model casts every other weight to
+that dtype at its use anyway. The gradients are taken with respect to fp32 zeros tapped into the
+copy (`layers.tap`), and the loops that read it as a constant (the pipeline's ticks, the
+epilogue's chunks) tap inside their bodies, so every gradient sum is fp32 as with fp32 masters.
 """
 from __future__ import annotations
 
@@ -37,7 +40,9 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from r1jax import logical, weights
+from r1jax.model import COMPUTE_DTYPES
 from r1jax.model import lora as loralib
+from r1jax.model.layers import tap
 from r1jax.config import Config, DType, Schedule
 from r1jax.parallel import mesh as meshlib
 from r1jax.parallel import pipeline
@@ -47,22 +52,26 @@ from r1jax.train.objectives import Objective
 
 State = dict[str, Any]
 EPILOGUE = ("final_norm", "lm_head_DW", "mtp", "embed")     # Transformer.epilogue's parts (the MTP blocks read embed)
+# read in fp32 by the model: the router (expert choice in fp32) and the embedding (its gradient is a
+# scatter-add over every token, which a bf16 table would sum in bf16)
+FP32_LEAVES = ("router_DE", "embedding_WD")
 AUX = ("load", "dropped", "balance", "mtp_load", "mtp_dropped", "mtp_balance")   # summed over rows
 
 
-def trunk(model, batch: dict, cfg: Config, layout: pipeline.Layout | None):
+def trunk(model, batch: dict, cfg: Config, layout: pipeline.Layout | None, taps=None):
     """The prologue and MoE stack on `batch`, through the run's pipeline when it has one (GPipe
     or circular; 1F1B interleaves the backward and is the step's own): (x, positions,
     segment_ids, the stack's aux). A batch with "routing" (GRPO's Rollout Routing Replay)
-    replays those expert choices. Run it under `loralib.dropout` for training's LoRA dropout."""
+    replays those expert choices. Run it under `loralib.dropout` for training's LoRA dropout.
+    `taps` (`model_loss`): the pipeline's ticks sum the stack's gradients through them."""
     if layout is None:
         return model.trunk(batch["ids"], batch["positions"], batch["segment_ids"], routing=batch.get("routing"))
     return pipeline.trunk(model, batch, layout=layout, microbatches=cfg.train.microbatches,
-                          stage_remat=cfg.pipeline.stage_remat)
+                          stage_remat=cfg.pipeline.stage_remat, taps=taps)
 
 
 def epilogue_loss(model, x, positions, segment_ids, batch: dict, objective: Objective, tokens, rows: int,
-                  chunks: int = 1):
+                  chunks: int = 1, taps=None):
     """(loss, stats) of the epilogue (final norm, head, MTP modules) and the objective on the
     trunk's output, as `head_loss` sums them. With `chunks` > 1 the rows run in that many
     sequential chunks (rows c, c+chunks, ...: every device keeps its own rows), each recomputed
@@ -77,35 +86,42 @@ def epilogue_loss(model, x, positions, segment_ids, batch: dict, objective: Obje
     if chunks == 1:
         return piece_loss(model, x, positions, segment_ids, batch)
     # only the epilogue's parts go through the chunk loop as arguments: autodiff carries a
-    # gradient sum through the loop for each of them
-    graphdef, state, others = nnx.split(model, lambda path, _: path[0] in EPILOGUE, ...)
+    # gradient sum through the loop for each of them (in fp32 through `taps`, `model_loss`)
+    is_epilogue = lambda path, _: path[0] in EPILOGUE
+    graphdef, state, others = nnx.split(model, is_epilogue, ...)
+    zs = None
+    if taps is not None:
+        zs, state = nnx.split(taps, is_epilogue, ...)[1], jax.lax.stop_gradient(state)
     split = lambda a: a.reshape(-1, chunks, *a.shape[1:]).swapaxes(0, 1)
 
-    def run(state, x, pos, seg, piece):
+    def run(state, zs, x, pos, seg, piece):
         x = logical.constrain(x, "batch", "seq", "act_embed")
-        return piece_loss(nnx.merge(graphdef, state, others), x, pos, seg, piece)
+        return piece_loss(nnx.merge(graphdef, state if zs is None else tap(state, zs), others), x, pos, seg, piece)
 
     run = jax.checkpoint(run, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
     xs = (split(x), split(positions), split(segment_ids), jax.tree.map(split, batch))
     first = jax.tree.map(lambda a: a[0], xs)
-    zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(run, state, *first))
+    zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(run, state, zs, *first))
 
     def body(carry, xs):
-        return jax.tree.map(jnp.add, carry, run(state, *xs)), None
+        return jax.tree.map(jnp.add, carry, run(state, zs, *xs)), None
 
     return jax.lax.scan(body, zeros, xs)[0]
 
 
 def model_loss(model, batch: dict, cfg: Config, layout: pipeline.Layout | None, objective: Objective, tokens,
-               rows: int, dropout_key=None):
+               rows: int, dropout_key=None, taps=None):
     """(loss, stats) of `objective` on `batch`: the trunk (`trunk`), then the epilogue and the
     objective in train.epilogue_chunks chunks (`epilogue_loss`), plus the stack's balance loss.
     `dropout_key`: training's LoRA dropout (lora.dropout) draws from it, each row by its number
-    in the step's batch (batch["row"]); None: none (eval)."""
+    in the step's batch (batch["row"]); None: none (eval). `taps`: with a `model` of
+    compute-dtype weights (ZeRO-1's gather), the same model holding fp32 zeros (`layers.tap`),
+    through which the pipeline's ticks and the epilogue's chunks route their weights' gradients
+    so that those loops sum them in fp32."""
     with loralib.dropout(dropout_key, cfg.lora.dropout if cfg.lora.rank else 0.0, batch.get("row")):
-        x, positions, segment_ids, aux = trunk(model, batch, cfg, layout)
+        x, positions, segment_ids, aux = trunk(model, batch, cfg, layout, taps)
         loss, stats = epilogue_loss(model, x, positions, segment_ids, batch, objective, tokens, rows,
-                                    cfg.train.epilogue_chunks)
+                                    cfg.train.epilogue_chunks, taps)
     stack = {k: aux[k].astype(jnp.float32) for k in AUX if k in aux}
     return loss + objective.balance_weight * _balance(stack) / rows, {**stats, **stack}
 
@@ -150,6 +166,22 @@ def update_router_bias(rest: nnx.State, load: jax.Array, mtp_load: jax.Array | N
     return nnx.from_flat_state(flat)
 
 
+def compute_gather(cfg: Config):
+    """The dtype ZeRO-1 gathers the masters in for the step: the compute dtype (bf16/fp16 runs),
+    or None for fp32 masters (fp32 runs; 1F1B, whose tick loop sums its gradients itself)."""
+    onefoneb = cfg.mesh.pipeline != 1 and cfg.pipeline.schedule is Schedule.onefoneb
+    return None if cfg.train.dtype is DType.fp32 or onefoneb else COMPUTE_DTYPES[cfg.train.dtype]
+
+
+def gathered(params: nnx.State, shardings, dtype) -> nnx.State:
+    """ZeRO-1's masters gathered to the model's `shardings`: with a `dtype`, a copy in it except
+    the leaves the model reads in fp32 (FP32_LEAVES), half the bytes in bf16."""
+    if dtype is not None:
+        params = nnx.from_flat_state([(p, v if p[-1] in FP32_LEAVES else v.replace(v.get_value().astype(dtype)))
+                                      for p, v in nnx.to_flat_state(params)])
+    return jax.lax.with_sharding_constraint(params, shardings)
+
+
 def _tree_select(pred, new, old):
     return jax.tree.map(lambda a, b: jnp.where(pred, a, b), new, old)
 
@@ -167,9 +199,13 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, cfg: Config, mes
     gather = jax.tree.leaves(zsh) != jax.tree.leaves(msh)  # ZeRO-1 on a mesh where it splits something
     layout = pipeline.mesh_layout(cfg, mesh)
     lr_schedule = optim.schedule(cfg.optim, t.steps)
+    low = compute_gather(cfg) if gather else None          # ZeRO-1 gathers a compute-dtype copy
 
-    def micro_loss(params, rest, mb, tokens, scale, key, *, rows):
-        loss, stats = model_loss(nnx.merge(graphdef, params, rest), mb, cfg, layout, objective, tokens, rows, key)
+    def micro_loss(params, rest, mb, tokens, scale, key, *, rows, taps=None):
+        model = nnx.merge(graphdef, params, rest)
+        if taps is not None:        # the same model holding fp32 zeros (the router biases' too)
+            taps = nnx.merge(graphdef, taps, jax.tree.map(jnp.zeros_like, rest))
+        loss, stats = model_loss(model, mb, cfg, layout, objective, tokens, rows, key, taps)
         return loss * scale, stats
 
     if layout is not None and cfg.pipeline.schedule is Schedule.onefoneb:
@@ -181,6 +217,15 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, cfg: Config, mes
                                                     microbatches=t.microbatches, head_loss=piece_loss,
                                                     balance_ct=objective.balance_weight / rows, scale=scale,
                                                     mtp=objective.mtp)
+    elif low is not None:
+        # the gradients of fp32 zeros tapped into the compute-dtype copy (`layers.tap`): fp32,
+        # summed in fp32 over the pipeline's ticks and the epilogue's chunks
+        tapped = jax.value_and_grad(lambda z, params, *a, rows: micro_loss(tap(params, z), *a, rows=rows, taps=z),
+                                    has_aux=True)
+
+        def grad_fn(params, *a, rows):
+            z = jax.tree.map(lambda v: jnp.zeros(v.shape, jnp.float32), params)
+            return tapped(jax.lax.with_sharding_constraint(z, msh), params, *a, rows=rows)
     else:
         grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
@@ -193,7 +238,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, cfg: Config, mes
             # every row's number in the step's batch: its dropout masks follow it through any split
             batch = {**batch, "row": logical.constrain(jnp.arange(rows, dtype=jnp.int32), "batch")}
         # ZeRO-1: the masters gathered to the model's sharding once, for every microbatch
-        model_params = jax.lax.with_sharding_constraint(state["params"], msh) if gather else state["params"]
+        model_params = gathered(state["params"], msh, low) if gather else state["params"]
         if accum == 1:
             (loss, stats), grads = grads_of(model_params, state["rest"], batch, tokens, scale, key)
         else:
@@ -258,7 +303,7 @@ def make_eval_step(graphdef, cfg: Config, mesh: Mesh, shardings: State, objectiv
     gather = jax.tree.leaves(shardings["params"]) != jax.tree.leaves(msh)
 
     def eval_step(state, batch):
-        params = jax.lax.with_sharding_constraint(state["params"], msh) if gather else state["params"]   # ZeRO-1
+        params = gathered(state["params"], msh, compute_gather(cfg)) if gather else state["params"]   # ZeRO-1
         model = nnx.merge(graphdef, params, state["rest"])
         return model_loss(model, batch, cfg, layout, objective, 1.0, batch["ids"].shape[0])[1]["metrics"]
 
