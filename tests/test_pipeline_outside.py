@@ -261,4 +261,6 @@ def test_taps_carry_the_pipeline_and_epilogue_gradients():
     for (path, a), (_, b) in zip(nnx.to_flat_state(plain), nnx.to_flat_state(tapped)):
         a, b = np.asarray(a.get_value()), np.asarray(b.get_value())
         assert np.abs(a).max() > 0 or "mtp" in path, path
-        np.testing.assert_allclose(b, a, rtol=0, atol=1e-7 * max(np.abs(a).max(), 1e-30), err_msg=str(path))
+        # the two programs' reduction orders differ: measured up to 1.9e-9 on a leaf whose largest
+        # gradient is 1.4e-2 (1.3e-7 of it), in a fresh clone's CI run
+        np.testing.assert_allclose(b, a, rtol=0, atol=1e-6 * max(np.abs(a).max(), 1e-30), err_msg=str(path))
