@@ -48,6 +48,7 @@ class MoEDispatch(str, enum.Enum):
     dense = "dense"        # every expert on every token in one batched product (E/k x FLOPs, no copies)
     grouped = "grouped"    # per expert, a loop over its own tiles, weights read in place (inference only)
     alltoall = "alltoall"  # expert parallel: all_to_all into per-shard buffers, dropless at the owner
+    hierarchical = "hierarchical"  # expert parallel: a token once per node, then to its experts inside it
 
 
 class AttentionImpl(str, enum.Enum):
@@ -231,7 +232,8 @@ class KernelConfig:
     moe_tile_size: int = 64            # rows per expert tile for moe_dispatch=dropless
     capacity_factor: float = 1.25      # only for moe_dispatch=capacity
     moe_buffer_factor: float = 0.0     # moe_dispatch=alltoall: pairs one shard sends another, x the balanced
-                                       # T*k/ep; 0: min(ep, E/k), which never drops
+                                       # T*k/ep; 0: min(ep, E/k), which never drops (hierarchical: both levels)
+    moe_nodes: int = 0                 # moe_dispatch=hierarchical: nodes the expert axis spans (0: mesh.dcn_expert)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -502,6 +504,8 @@ def from_dict(tree: dict[str, Any]) -> Config:
     except OmegaConfBaseException as e:
         raise ConfigError(_omegaconf_line(e)) from None
     validate(cfg)
+    if cfg.kernels.moe_nodes == 0:          # the hierarchical exchange's nodes: those the expert axis spans
+        cfg = dataclasses.replace(cfg, kernels=dataclasses.replace(cfg.kernels, moe_nodes=cfg.mesh.dcn_expert))
     return cfg
 
 
@@ -698,6 +702,7 @@ def validate_kernels(k: KernelConfig) -> None:
     _need(k.moe_buffer_factor == 0 or k.moe_buffer_factor >= 1,
           f"kernels.moe_buffer_factor={k.moe_buffer_factor}: must be >= 1 (x the balanced load), or 0 for the "
           f"size that never drops")
+    _need(k.moe_nodes >= 0, f"kernels.moe_nodes={k.moe_nodes}: must be >= 0 (0: mesh.dcn_expert)")
     _need(k.moe_dispatch is not MoEDispatch.grouped,
           "kernels.moe_dispatch=grouped: inference only (no gradient); training takes auto, dropless, ragged, "
           "capacity, loop, gather or dense (infer.moe_decode may name grouped)")
@@ -778,6 +783,11 @@ def validate(cfg: Config) -> None:
     if mesh.expert > 1 and moe_used:
         _need(m.n_routed_experts % mesh.expert == 0,
               f"mesh.expert={mesh.expert}: must divide model.n_routed_experts ({m.n_routed_experts})")
+    nodes = cfg.kernels.moe_nodes or mesh.dcn_expert
+    if cfg.kernels.moe_dispatch is MoEDispatch.hierarchical and mesh.expert != -1:
+        _need(mesh.expert % nodes == 0,
+              f"kernels.moe_nodes={nodes}: must divide mesh.expert ({mesh.expert}); the hierarchical exchange "
+              f"splits the expert axis into that many nodes of equal size")
 
     _need(d.seq_len >= 2, f"data.seq_len={d.seq_len}: must be >= 2 (next-token targets)")
     _need(d.seq_len <= m.max_position_embeddings,

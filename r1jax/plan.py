@@ -305,8 +305,19 @@ class Geometry:
     attn_block: int = 0    # flash attention's block (0: dense attention, whole [T, T] scores)
     capacity_factor: float = 1.25   # kernels.capacity_factor
     tile: int = 64                  # kernels.moe_tile_size
-    buffer_factor: float = 0.0      # kernels.moe_buffer_factor (alltoall)
+    buffer_factor: float = 0.0      # kernels.moe_buffer_factor (alltoall, hierarchical)
     pipeline: int = 1               # outside the stages the batch is sharded over pipeline too
+    nodes: int = 1                  # kernels.moe_nodes (hierarchical): nodes the expert axis spans
+    nodes_per_token: float = 1.0    # expert_parallel.expected_nodes: a token's nodes, balanced
+
+    def hierarchical_rows(self, m: configlib.ModelConfig, rows: int) -> tuple[int, int]:
+        """(rows one shard sends each node, pairs one forwarding shard sends each shard of its
+        node) of the hierarchical exchange on `rows` batch rows (expert_parallel.node_rows, gpu_rows)."""
+        from r1jax.kernels.expert_parallel import gpu_rows, node_rows
+        tokens, k = rows * self.seq, m.num_experts_per_tok
+        b1 = node_rows(tokens, self.nodes_per_token, self.nodes, self.buffer_factor)
+        gpus = self.expert // self.nodes
+        return b1, gpu_rows(tokens, k, m.n_routed_experts // self.expert, gpus, self.nodes, b1, self.buffer_factor)
 
     @property
     def rows_outer(self) -> int:
@@ -326,11 +337,14 @@ def geometry(cfg: Config, mesh: dict[str, int], backend: str = "gpu") -> Geometr
     if kind == MoEDispatch.auto.value:
         kind = "dropless" if backend == "cpu" else "ragged"
     c = lambda n: -(-n // tp)
+    from r1jax.kernels.expert_parallel import expected_nodes
+    nodes = max(1, k.moe_nodes)
+    per_token = expected_nodes(m.n_routed_experts, m.num_experts_per_tok, m.n_group, m.topk_group, nodes)
     return Geometry(rows_accum, max(rows_stage, 1), cfg.data.seq_len, DTYPE_BYTES[t.dtype], c(m.num_attention_heads),
                     c(m.vocab_size), c(m.intermediate_size), c(m.moe_intermediate_size),
                     c(m.moe_intermediate_size * m.n_shared_experts), shards, mesh["fsdp"], mesh["expert"], kind,
                     min(k.attention_block, cfg.data.seq_len) if k.attention is AttentionImpl.flash else 0,
-                    k.capacity_factor, k.moe_tile_size, k.moe_buffer_factor, mesh["pipeline"])
+                    k.capacity_factor, k.moe_tile_size, k.moe_buffer_factor, mesh["pipeline"], nodes, per_token)
 
 
 def _scores(m: configlib.ModelConfig, g: Geometry, rows: int, phase: str) -> int:
@@ -371,6 +385,10 @@ def _routed_rows(m: configlib.ModelConfig, g: Geometry, rows: int, local_sort: b
     if g.expert > 1 and g.dispatch == "alltoall":    # all_to_all: f x the balanced pairs from each source,
         from r1jax.kernels.expert_parallel import buffer_rows     # run dropless (one pair a row) at the owner
         recv = g.expert * buffer_rows(rows * g.seq, k, E, g.expert, g.buffer_factor)
+        n = -(-(recv + (E // g.expert) * (g.tile - 1)) // g.tile) * g.tile
+        return n, m.hidden_size, rows * g.seq * k
+    if g.expert > 1 and g.dispatch == "hierarchical":   # the pairs its node's forwarders send it, dropless
+        recv = g.expert // g.nodes * g.hierarchical_rows(m, rows)[1]
         n = -(-(recv + (E // g.expert) * (g.tile - 1)) // g.tile) * g.tile
         return n, m.hidden_size, rows * g.seq * k
     if g.expert > 1:
@@ -426,9 +444,13 @@ def layer_inventory(m: configlib.ModelConfig, g: Geometry, moe: bool, rows: int,
         d_, f_ = ROUTED_BUFFERS[_routed_kind(g)]["saved"]
         inv["routed"] = n * (d_ * width + f_ * g.moe_mlp) * dt     # tile inputs; gate, up, silu*up, copies
         # each token's k expert outputs [t, k, D] before they are combined (the combine weights'
-        # gradient needs them): this device's tokens, or its expert group's with expert parallelism
-        gathered = g.expert if (g.expert > 1 and g.dispatch != "capacity") else 1
-        inv["routed_out"] = rows * g.seq * gathered * m.num_experts_per_tok * m.hidden_size * dt
+        # gradient needs them): this device's tokens, or its expert group's with expert parallelism;
+        # the hierarchical exchange combines on the forwarding shards, over the rows they received,
+        # and gathers its tokens' rows back as [t, k, D] before summing them
+        combined = rows * g.seq * (g.expert if (g.expert > 1 and g.dispatch != "capacity") else 1)
+        if g.expert > 1 and g.dispatch == "hierarchical":
+            combined = rows * g.seq + g.nodes * g.hierarchical_rows(m, rows)[0]
+        inv["routed_out"] = combined * m.num_experts_per_tok * m.hidden_size * dt
         inv["router"] = t * m.n_routed_experts * F32
         inv["shared_mlp"] = 3 * t * g.shared_mlp * dt
     else:
@@ -824,9 +846,9 @@ def _activation_traffic(cfg: Config, mesh: dict[str, int], g: Geometry) -> list[
         tokens = A * g.rows_accum * g.seq                                # this device's, per step
         out.append(("tensor", "activation all-reduces", "all_reduce", passes * 2 * layers * tokens * D * dt))
     if mesh["expert"] > 1 and m.num_moe_layers:
-        kind, stage = _exchange(m, g, g.rows_stage)
-        _, mtp = _exchange(m, g, g.rows_outer)                          # the MTP runs outside the stages
-        out.append(("expert", "dispatch + combine", kind, passes * 2 * A * (M * stack * stage + depth * mtp)))
+        for what, kind, stage, mtp in zip(*_exchange(m, g, g.rows_stage), _exchange(m, g, g.rows_outer)[2]):
+            # (the MTP block runs outside the stages, on rows_outer rows)
+            out.append(("expert", what, kind, passes * 2 * A * (M * stack * stage + depth * mtp)))
     if P > 1:
         xs = g.rows_stage * g.seq * D * dt                               # one microbatch's stage input
         onefoneb = cfg.pipeline.schedule is Schedule.onefoneb
@@ -848,19 +870,28 @@ def _activation_traffic(cfg: Config, mesh: dict[str, int], g: Geometry) -> list[
     return out
 
 
-def _exchange(m: configlib.ModelConfig, g: Geometry, rows: int) -> tuple[str, float]:
-    """(collective, bytes) of one direction of one MoE layer's expert exchange on `rows` rows
-    (r1jax/kernels/expert_parallel.py): `capacity` sends its whole [E, C, D] buffer through
-    all_to_all, `alltoall` its ep per-destination buffers of f x the balanced pairs; the others
-    all-gather the expert group's tokens and reduce-scatter the outputs."""
+def _exchange(m: configlib.ModelConfig, g: Geometry, rows: int) -> tuple[tuple, tuple, tuple]:
+    """(what, collective, bytes) of each collective of one direction of one MoE layer's expert
+    exchange on `rows` rows (r1jax/kernels/expert_parallel.py), as three tuples: `capacity` sends
+    its whole [E, C, D] buffer through all_to_all, `alltoall` its ep per-destination buffers of f
+    x the balanced pairs; `hierarchical` its nodes' buffers of rows (with each row's k expert ids
+    and fp32 weights) over the shards at its position on every node (`all_to_all_nodes`), then
+    the forwarding shards' per-shard pair buffers (with their expert ids) inside the node
+    (`all_to_all_node`); the others all-gather the expert group's tokens and reduce-scatter the outputs."""
+    D, k = m.hidden_size, m.num_experts_per_tok
     if g.dispatch == "capacity":
         n, width, _ = _routed_rows(m, g, rows, local_sort=False)
-        return "all_to_all", n * width * g.dt
+        return ("dispatch + combine",), ("all_to_all",), (n * width * g.dt,)
     if g.dispatch == "alltoall":
         from r1jax.kernels.expert_parallel import buffer_rows
-        return "all_to_all", g.expert * buffer_rows(rows * g.seq, m.num_experts_per_tok, m.n_routed_experts,
-                                                    g.expert, g.buffer_factor) * m.hidden_size * g.dt
-    return "all_gather", g.expert * rows * g.seq * m.hidden_size * g.dt
+        return ("dispatch + combine",), ("all_to_all",), (
+            g.expert * buffer_rows(rows * g.seq, k, m.n_routed_experts, g.expert, g.buffer_factor) * D * g.dt,)
+    if g.dispatch == "hierarchical":
+        b1, b2 = g.hierarchical_rows(m, rows)
+        return (("dispatch + combine across nodes", "dispatch + combine inside nodes"),
+                ("all_to_all_nodes", "all_to_all_node"),
+                (g.nodes * b1 * (D * g.dt + k * (4 + F32)), g.expert // g.nodes * b2 * (D * g.dt + 4)))
+    return ("dispatch + combine",), ("all_gather",), (g.expert * rows * g.seq * D * g.dt,)
 
 
 def compute_bound(cfg: Config, devices: int, hw: Hardware) -> dict[str, float]:
@@ -887,7 +918,12 @@ def communication(cfg: Config, mesh: dict[str, int], dcn: dict[str, int], hardwa
                 "nvlink_bytes": 0, "ib_bytes": 0, "parts": {}} for a, (i, n) in spans.items()}
     for axis, what, kind, size in [*_fsdp_traffic(cfg, mesh), *_grad_traffic(cfg, mesh, spans),
                                    *_activation_traffic(cfg, mesh, g)]:
-        nv, ib = _collective(kind, size, *spans[axis])
+        if kind == "all_to_all_nodes":              # the hierarchical exchange's groups: one shard a node
+            nv, ib = _collective("all_to_all", size, 1, g.nodes)
+        elif kind == "all_to_all_node":             # ... and one node's shards
+            nv, ib = _collective("all_to_all", size, g.expert // g.nodes, 1)
+        else:
+            nv, ib = _collective(kind, size, *spans[axis])
         row = axes[axis]
         row["nvlink_bytes"] += int(nv)
         row["ib_bytes"] += int(ib)

@@ -38,6 +38,9 @@ BAD = {
     "negative lr": (["optim.lr=-1"], "optim.lr"),
     "fp16 Adam moments": (["optim.moment_dtype=fp16"], "optim.moment_dtype=fp16: must be fp32 or bf16"),
     "zero attention block": (["kernels.attention_block=0"], "kernels.attention_block=0: must be a positive integer"),
+    "hierarchical nodes not dividing the expert axis": (
+        ["mesh.data=2", "mesh.expert=4", "kernels.moe_dispatch=hierarchical", "kernels.moe_nodes=3"],
+        "kernels.moe_nodes=3: must divide mesh.expert (4)"),
     "epilogue chunks not dividing a device's rows": (["mesh.data=4", "train.epilogue_chunks=4"],
                                                      "train.epilogue_chunks=4: each of the 1 microbatches"),
     "epilogue chunks under 1f1b": (["mesh.data=1", "mesh.pipeline=2", "train.microbatches=2", "pipeline.schedule=1f1b",

@@ -1,7 +1,9 @@
-"""kernels.moe_dispatch=alltoall (r1jax/kernels/expert_parallel.py), on data 2 x expert 4 over 8
-fake CPU devices: at the buffer factor that never drops, min(ep, E/k), it equals the all-gather /
-reduce-scatter exchange (outputs and gradients within 1e-6); at 1.25 x the balanced load it drops,
-and the count it reports equals a NumPy count of the overflow per (source shard, destination)."""
+"""kernels.moe_dispatch=alltoall and hierarchical (r1jax/kernels/expert_parallel.py), on data 2 x
+expert 4 over 8 fake CPU devices (hierarchical: the expert axis as 2 nodes of 2): at the buffer
+factor that never drops each equals the all-gather / reduce-scatter exchange (outputs and
+gradients within 1e-6); with smaller buffers they drop, and the count they report equals a NumPy
+count of the overflow (alltoall: per source and destination; hierarchical: per source and node,
+then per forwarding shard and destination inside the node)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -45,13 +47,18 @@ def setup():
     return mesh, placed, bias, cot
 
 
-def _run(setup, kind: str, buffer_factor: float = 0.0):
+NODES = 2          # the hierarchical exchange's nodes along the expert axis: 2 of 2 shards
+PER_TOKEN = expert_parallel.expected_nodes(E, K, CFG.n_group, CFG.topk_group, NODES)
+
+
+def _run(setup, kind: str, buffer_factor: float = 0.0, nodes: int = NODES):
     mesh, (x, router, experts), bias, cot = setup
 
     def f(x, router, experts):
         w, idx, _ = route(x, router, jnp.asarray(bias), CFG)
         y, dropped = expert_parallel.routed(kind, x, w, idx, *experts, tile=8, capacity_factor=1.0,
-                                            buffer_factor=buffer_factor)
+                                            buffer_factor=buffer_factor, nodes=nodes,
+                                            nodes_per_token=expert_parallel.expected_nodes(E, K, CFG.n_group, CFG.topk_group, nodes))
         return y, (dropped, idx)
 
     @jax.jit
@@ -64,16 +71,18 @@ def _run(setup, kind: str, buffer_factor: float = 0.0):
     return np.asarray(y), jax.tree.map(np.asarray, grads), int(dropped), np.asarray(idx)
 
 
-def test_exact_buffer_equals_gather_scatter(setup):
+# hierarchical on 2 nodes of 2 shards, and the edges: 1 node of 4 (no exchange across nodes), 4 of 1
+@pytest.mark.parametrize("kind,nodes", [("alltoall", 1), ("hierarchical", 2), ("hierarchical", 1), ("hierarchical", 4)])
+def test_exact_buffer_equals_gather_scatter(setup, kind, nodes):
     assert expert_parallel.buffer_rows(T // (DATA * EP), K, E, EP, 0.0) == T // (DATA * EP) * min(K, E // EP)
-    y, grads, dropped, _ = _run(setup, "alltoall")
+    y, grads, dropped, _ = _run(setup, kind, nodes=nodes)
     y_ref, grads_ref, dropped_ref, _ = _run(setup, "dropless")
     assert dropped == dropped_ref == 0
     d_y = float(np.abs(y - y_ref).max())
     # the expert-weight gradients (entries up to ~30) sum their pairs in another order: relative
     d_g = max(float(np.abs(a - b).max() / np.abs(b).max())
               for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_ref)))
-    print(f"\nalltoall (exact buffer) vs gather/scatter: max |dy| {d_y:.1e}, max |dgrad| / max |grad| {d_g:.1e}")
+    print(f"\n{kind} ({nodes} node(s), exact buffers) vs gather/scatter: max |dy| {d_y:.1e}, max |dgrad| / max |grad| {d_g:.1e}")
     assert d_y <= 1e-6 and d_g <= 1e-6
 
 
@@ -91,15 +100,67 @@ def test_small_buffer_drops_the_overflow_and_counts_it(setup):
     assert np.isfinite(y).all()
 
 
+def _claim(keys, n, cap):
+    """Kept flags of pairs keys [R, k] (n: no pair) claiming `cap` slots per key choice-major, as
+    dispatch.first_slots does, and each kept pair's position."""
+    count, kept, pos = np.zeros(n + 1, int), np.zeros(keys.shape, bool), np.zeros(keys.shape, int)
+    for j in range(keys.shape[1]):
+        for r in range(keys.shape[0]):
+            key = keys[r, j]
+            if key < n:
+                pos[r, j] = count[key]
+                kept[r, j] = count[key] < cap
+                count[key] += 1
+    return kept, pos
+
+
+def test_hierarchical_small_buffers_drop_and_count_both_levels(setup):
+    """Factor 1: each source sends each node at most B1 tokens (one row a token and node), each
+    forwarding shard each shard of its node at most B2 pairs; the pairs lost at either level,
+    counted by replaying both claims in NumPy, are what the kernel reports."""
+    _, _, dropped, idx = _run(setup, "hierarchical", 1.0)
+    G, El = EP // NODES, E // EP
+    per_node, Tl = G * El, T // (DATA * EP)
+    B1 = expert_parallel.node_rows(Tl, PER_TOKEN, NODES, 1.0)
+    B2 = expert_parallel.gpu_rows(Tl, K, El, G, NODES, B1, 1.0)
+    lost_a = lost_b = 0
+    for d in range(DATA):
+        rows = {}                                 # forwarding shard -> its received rows, in order
+        for e in range(EP):
+            ids = idx[(d * EP + e) * Tl:(d * EP + e + 1) * Tl]
+            node = ids // per_node
+            first = np.array([[node[t, j] not in node[t, :j] for j in range(K)] for t in range(Tl)])
+            kept, pos = _claim(np.where(first, node, NODES), NODES, B1)
+            for t in range(Tl):
+                for j in range(K):
+                    rep = list(node[t]).index(node[t, j])
+                    if not kept[t, rep]:
+                        lost_a += 1
+                    elif j == rep:                # the token's row on that node
+                        here = np.where(node[t] == node[t, j], ids[t] - node[t, j] * per_node, per_node)
+                        f = node[t, j] * G + e % G
+                        rows.setdefault(f, {})[(e // G) * B1 + pos[t, j]] = here
+        for f, got in rows.items():
+            keys = np.full((NODES * B1, K), G)    # empty rows carry no pair
+            for r, here in got.items():
+                keys[r] = np.where(here < per_node, here // El, G)
+            kept, _ = _claim(keys, G, B2)
+            lost_b += int(((keys < G) & ~kept).sum())
+    print(f"\nhierarchical at 1 x balanced ({B1} rows a node, {B2} pairs a shard): {dropped} of {T * K} pairs "
+          f"dropped ({lost_a} across nodes, {lost_b} inside them)")
+    assert lost_a > 0 and lost_b > 0 and dropped == lost_a + lost_b
+
+
 
 def test_the_model_takes_it_from_the_config():
-    """kernels.moe_dispatch=alltoall reaches the MoE layers of the model (tiny.yaml on data 2 x
-    expert 4): logits equal those of the default exchange, nothing dropped; with a 1.0 buffer
-    factor some pairs drop and the model reports them."""
+    """kernels.moe_dispatch=alltoall and hierarchical reach the MoE layers of the model (tiny.yaml
+    on data 2 x expert 4): logits equal those of the default exchange, nothing dropped; with a 1.0
+    buffer factor some pairs drop and the model reports them."""
     ids = jnp.asarray(np.random.default_rng(0).integers(0, 512, (8, 64)), jnp.int32)
     out = {}
     for name, extra in {"dropless": [], "alltoall": ["kernels.moe_dispatch=alltoall"],
-                        "alltoall_1.0": ["kernels.moe_dispatch=alltoall", "kernels.moe_buffer_factor=1.0"]}.items():
+                        "alltoall_1.0": ["kernels.moe_dispatch=alltoall", "kernels.moe_buffer_factor=1.0"],
+                        "hierarchical": ["kernels.moe_dispatch=hierarchical", "kernels.moe_nodes=2"]}.items():
         cfg = configlib.load(ROOT / "configs" / "tiny.yaml", ["mesh.data=2", "mesh.expert=4", *extra])
         mesh = meshlib.make_mesh(cfg.mesh)
         graphdef, _ = weights.target(cfg, mesh, None)
@@ -107,10 +168,29 @@ def test_the_model_takes_it_from_the_config():
         with meshlib.activate(mesh):
             o = jax.jit(lambda st: nnx.merge(graphdef, st)(ids, mtp=True))(state)
         out[name] = (np.asarray(o.logits), int(np.asarray(o.aux["dropped"]).sum()))
-    assert np.abs(out["alltoall"][0] - out["dropless"][0]).max() <= 1e-5 and out["alltoall"][1] == 0
+    for kind in ("alltoall", "hierarchical"):
+        assert np.abs(out[kind][0] - out["dropless"][0]).max() <= 1e-5 and out[kind][1] == 0
     assert out["alltoall_1.0"][1] > 0
 
 
 def test_a_buffer_factor_below_one_is_refused_in_one_line():
     with pytest.raises(ConfigError, match=r"^kernels.moe_buffer_factor=0.5: must be >= 1 \(x the balanced load\), or 0"):
         configlib.load(ROOT / "configs" / "tiny.yaml", ["kernels.moe_dispatch=alltoall", "kernels.moe_buffer_factor=0.5"])
+
+
+@pytest.mark.parametrize("nodes", [8, 4])
+def test_expected_nodes_matches_deepseek_routing(nodes):
+    """The planner and the buffers size the hierarchical exchange by expected_nodes: with
+    DeepSeek-V3's routing (256 experts, 8 groups, top 4 groups, 8 experts) on random tokens and
+    router, the mean number of nodes a token's experts sit on is within 5% of it."""
+    cfg = ModelConfig(hidden_size=64, n_routed_experts=256, n_group=8, topk_group=4, num_experts_per_tok=8,
+                      moe_intermediate_size=16)
+    r = np.random.default_rng(1)
+    x = jnp.asarray(r.normal(size=(4096, 64)), jnp.float32)
+    router = jnp.asarray(r.normal(size=(64, 256)) / 8, jnp.float32)
+    _, idx, _ = route(x, router, jnp.zeros((256,), jnp.float32), cfg)
+    node = np.asarray(idx) // (256 // nodes)
+    measured = np.mean([len(set(row)) for row in node])
+    want = expert_parallel.expected_nodes(256, 8, 8, 4, nodes)
+    print(f"\n{nodes} nodes: a token reaches {measured:.3f} on average, expected_nodes {want:.3f}")
+    assert abs(measured / want - 1) < 0.05

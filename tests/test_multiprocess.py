@@ -2,7 +2,7 @@
 
 - 2 processes x 4 CPU devices train like 1 process x 8 devices reading the same two data shards
   (per-step loss and final parameters within 1e-5), on the default mesh and on node-aware ones
-  (mesh.dcn_*): expert across the processes, and a pipeline across them (GPipe, 1F1B, and the
+  (mesh.dcn_*): expert across the processes (the hierarchical exchange), and a pipeline across them (GPipe, 1F1B, and the
   seeds' tensor x data x pipeline layout);
 - the data shards are disjoint and complete, document by document, through the real pipeline;
 - a process whose peer never starts exits 1 with one line within distributed.init_timeout_s;
@@ -139,8 +139,10 @@ def test_two_processes_train_like_one(two, one):
 
 @pytest.mark.parametrize("name,extra,across", [
     # expert 4 spans the two processes (2 devices in each), data 2 stays inside each: the
-    # opposite of the default order (data outermost)
-    ("data 2 inside x expert 4 across", ["mesh.data=2", "mesh.expert=4", "mesh.dcn_expert=2"], "expert 2"),
+    # opposite of the default order (data outermost); the hierarchical exchange sends each token
+    # once to the other process when its experts are there, then on inside it (exact buffers)
+    ("data 2 inside x expert 4 across, hierarchical exchange",
+     ["mesh.data=2", "mesh.expert=4", "mesh.dcn_expert=2", "kernels.moe_dispatch=hierarchical"], "expert 2"),
     # each process one pipeline stage, reading only the rows its devices hold (outside the
     # stages the batch is sharded over pipeline too)
     ("pipeline across, gpipe, data 4 inside", ["mesh.data=4", "mesh.pipeline=2", "mesh.dcn_pipeline=2",

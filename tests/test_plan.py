@@ -297,6 +297,19 @@ def test_deepseek_layout_communication(tmp_path):
     flat = plan.plan(cfg, mesh, "h100-80gb", nodes=256, search=False)
     assert flat["comm"]["axes"]["expert"]["nodes"] == 64
     assert flat["comm"]["axes"]["expert"]["ib_bytes"] > r["comm"]["axes"]["expert"]["ib_bytes"]
+    # kernels.moe_dispatch=hierarchical sends a token once per node its experts sit on: 4 of the 8
+    # (a group a node, 4 groups a token), in rows of 1.25 x the balanced T x 4/8 a node, each with
+    # its 8 expert ids and fp32 weights; 7/8 of them cross nodes. Half of capacity's IB bytes.
+    hier_cfg = plan.load_for_mesh(DSV3, [*H100_256, "train.global_batch_size=2048", "train.microbatches=16",
+                                         "train.epilogue_chunks=1", "kernels.moe_dispatch=hierarchical",
+                                         "kernels.moe_buffer_factor=1.25"], mesh, dcn)
+    assert hier_cfg.kernels.moe_nodes == 8                                  # mesh.dcn_expert
+    hx = plan.plan(hier_cfg, mesh, "h100-80gb", nodes=256, search=False, dcn=dcn)["comm"]["axes"]["expert"]
+    across = 3 * 2 * (16 * 4 + 1) * 8 * math.ceil(1.25 * T * 4 / 8) * (D * 2 + 8 * 8)
+    assert hx["parts"]["dispatch + combine across nodes"] == pytest.approx(across * 7 / 8, rel=1e-6)
+    print(f"expert exchange over IB: capacity {axes['expert']['ib_bytes'] / 1e9:.1f} GB, "
+          f"hierarchical {hx['ib_bytes'] / 1e9:.1f} GB")
+    assert hx["ib_bytes"] < 0.55 * axes["expert"]["ib_bytes"]
 
 
 # ------------------------------------------------------------------------------------- ZeRO-1

@@ -267,7 +267,8 @@ def routed_grouped(x, w, idx, gate, up, down, *, tile: int = 8, **_):
 
 ROUTED = {"loop": routed_loop, "gather": routed_gather, "dense": routed_dense, "dropless": routed_dropless,
           "ragged": routed_ragged, "capacity": routed_capacity, "grouped": routed_grouped,
-          "alltoall": routed_dropless}     # alltoall is an exchange between expert shards; alone, dropless
+          "alltoall": routed_dropless, "hierarchical": routed_dropless}   # exchanges between expert shards;
+                                                                          # alone, dropless
 
 
 def resolve(name: str) -> str:

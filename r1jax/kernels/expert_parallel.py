@@ -2,7 +2,7 @@
 to (under the active rules; this module names no mesh axis), tokens exchanged inside
 `jax.shard_map` (manual over the batch axes, the rest left to GSPMD).
 
-Three exchanges, chosen by `kernels.moe_dispatch`:
+Four exchanges, chosen by `kernels.moe_dispatch`:
 - `capacity`: each shard sends each expert at most C = ceil(cf * T_local * k / E) of its pairs
   through `all_to_all`, the owner runs them as one batched [E_local, ep*C, D] product, a second
   `all_to_all` brings the results back; overflow pairs are dropped and counted. Static shapes
@@ -17,6 +17,12 @@ Three exchanges, chosen by `kernels.moe_dispatch`:
   f*k/ep of the tokens each way instead of ep x; DeepSeek-V3 at ep 64 is f = 32 exact, and
   MaxText's ragged buffer factor plays the same part. (`lax.ragged_all_to_all` would send only
   the rows in use; XLA:CPU does not implement it.)
+- `hierarchical`: the exchange across nodes deduplicated, as DeepSeek's DeepEP does it. A
+  token goes to each node that holds any of its experts once, to the shard at its own position
+  there, which passes its pairs on to their shards inside the node and sends back one summed row:
+  over InfiniBand a token moves once per node it reaches (with DeepSeek-V3's group-limited routing
+  at most topk_group = 4 nodes) instead of once per expert (k = 8). Buffers are f x the balanced
+  load at both levels; f = 0 sizes them so that nothing drops.
 - every other dispatch: each shard all-gathers the tokens of its expert group, runs its local
   experts on the pairs routed to them (with `gather` or `dense` when asked, as decode does; else
   the dropless tile kernel), and a reduce-scatter returns each token's sum. Exact; moves ep x
@@ -49,20 +55,28 @@ def expert_axis() -> tuple[str | None, int]:
 
 
 def routed(kind: str, x_TD, w, idx, gate, up, down, *, tile: int, capacity_factor: float,
-           buffer_factor: float = 0.0):
-    """Routed-expert output [T, D] and the global count of dropped pairs, experts sharded."""
+           buffer_factor: float = 0.0, nodes: int = 1, nodes_per_token: float = 1.0):
+    """Routed-expert output [T, D] and the global count of dropped pairs, experts sharded.
+    `hierarchical`: the expert axis spans `nodes` nodes (its index is node x shards a node +
+    position inside it, as r1jax.parallel.mesh lays it out); `nodes_per_token` sizes its buffers
+    (`expected_nodes`)."""
     mesh = jax.sharding.get_abstract_mesh()
     axis, ep = expert_axis()
     token_axes = logical.mesh_axes("batch")
     if axis not in token_axes:
         raise ValueError(f"expert parallelism needs the tokens sharded over '{axis}' too (batch rule)")
     E = gate.shape[0]
+    if kind == "hierarchical" and (nodes < 1 or ep % nodes):
+        raise ValueError(f"the hierarchical exchange needs the expert axis ({ep}) split into whole nodes, not {nodes}")
 
     def body(x, w, idx, gate, up, down):
         if kind == "capacity":
             y, dropped = _all_to_all(x, w, idx, gate, up, down, axis, ep, E, capacity_factor)
         elif kind == "alltoall":
             y, dropped = _buffered(x, w, idx, gate, up, down, axis, ep, E, buffer_factor, tile)
+        elif kind == "hierarchical":
+            y, dropped = _hierarchical(x, w, idx, gate, up, down, axis, ep, E, nodes, nodes_per_token,
+                                       buffer_factor, tile)
         else:
             y, dropped = _gather_scatter(kind, x, w, idx, gate, up, down, axis, ep, tile)
         return y, lax.psum(dropped, token_axes)
@@ -111,21 +125,105 @@ def buffer_rows(tokens: int, k: int, experts: int, ep: int, factor: float) -> in
 
 
 def _buffered(x, w, idx, gate, up, down, axis, ep, E, factor, tile):
-    Tl, k = idx.shape
-    D, El = x.shape[1], E // ep
-    B = buffer_rows(Tl, k, E, ep, factor)
-    dest = idx // El                                              # the shard owning each pair's expert
-    pos, keep = dispatch.first_slots(dest, ep, B)
-    slot = jnp.where(keep, dest * B + pos, ep * B)                # ep*B: dropped
+    B = buffer_rows(idx.shape[0], idx.shape[1], E, ep, factor)
+    return _send_pairs(x, w, idx, gate, up, down, axis, ep, B, tile)
+
+
+def _send_pairs(x, w, idx, gate, up, down, axis, n, B, tile, groups=None):
+    """y [R, D] = sum_j w[r,j] * expert_{idx[r,j]}(x[r]) with the experts spread over a group of
+    n shards (El each; `groups`: axis_index_groups of `axis`, None for the whole axis): each pair
+    goes to shard idx // El in one all_to_all of n buffers of B rows, is run there with the
+    dropless tiles, and comes back in a second. Ids >= n * El are no pair; pairs past a
+    destination's B rows are dropped (first choices first) and counted."""
+    R, k = idx.shape
+    D, El = x.shape[1], gate.shape[0]
+    valid = idx < n * El
+    dest = jnp.where(valid, idx // El, n)                         # n: no destination
+    pos, keep = dispatch.first_slots(dest, n + 1, B)
+    keep = keep & valid
+    slot = jnp.where(keep, dest * B + pos, n * B)                 # n*B: not sent
     flat = slot.reshape(-1)
-    token = jnp.broadcast_to(jnp.arange(Tl, dtype=jnp.int32)[:, None], (Tl, k)).reshape(-1)
-    table = jnp.full((ep * B + 1,), Tl, jnp.int32).at[flat].set(token)[:-1]         # Tl: an empty row
-    expert = jnp.full((ep * B + 1,), El, jnp.int32).at[flat].set((idx % El).reshape(-1))[:-1]   # El: none
-    send = jnp.concatenate([x, jnp.zeros((1, D), x.dtype)])[table].reshape(ep, B, D)  # dim0: destination
-    recv = lax.all_to_all(send, axis, 0, 0).reshape(ep * B, D)                        # rows by source
-    recv_expert = lax.all_to_all(expert.reshape(ep, B), axis, 0, 0).reshape(ep * B, 1)
-    ye, _ = dispatch.routed_dropless(recv, jnp.ones((ep * B, 1), x.dtype), recv_expert, gate, up, down, tile=tile)
-    back = lax.all_to_all(ye.reshape(ep, B, D), axis, 0, 0).reshape(ep * B, D)        # sender's slot order
-    out = jnp.concatenate([back, jnp.zeros((1, D), back.dtype)])[slot]                # [Tl, k, D]
+    token = jnp.broadcast_to(jnp.arange(R, dtype=jnp.int32)[:, None], (R, k)).reshape(-1)
+    table = jnp.full((n * B + 1,), R, jnp.int32).at[flat].set(token)[:-1]           # R: an empty row
+    expert = jnp.full((n * B + 1,), El, jnp.int32).at[flat].set((idx % El).reshape(-1))[:-1]   # El: none
+    send = jnp.concatenate([x, jnp.zeros((1, D), x.dtype)])[table].reshape(n, B, D)   # dim0: destination
+    recv = lax.all_to_all(send, axis, 0, 0, axis_index_groups=groups).reshape(n * B, D)   # rows by source
+    recv_expert = lax.all_to_all(expert.reshape(n, B), axis, 0, 0, axis_index_groups=groups).reshape(n * B, 1)
+    ye, _ = dispatch.routed_dropless(recv, jnp.ones((n * B, 1), x.dtype), recv_expert, gate, up, down, tile=tile)
+    back = lax.all_to_all(ye.reshape(n, B, D), axis, 0, 0, axis_index_groups=groups).reshape(n * B, D)
+    out = jnp.concatenate([back, jnp.zeros((1, D), back.dtype)])[slot]                # [R, k, D]
     y = jnp.einsum("tkd,tk->td", out, w.astype(x.dtype))
-    return y, (Tl * k - keep.sum()).astype(jnp.int32)
+    return y, (valid & ~keep).sum().astype(jnp.int32)
+
+
+def expected_nodes(experts: int, k: int, n_group: int, topk_group: int, nodes: int) -> float:
+    """Nodes one token's k experts sit on, on average, when routing is balanced (experts in id
+    order over `nodes` equal blocks). With group-limited routing and whole groups on a node, a
+    token reaches the nodes of its topk_group groups (DeepSeek-V3's node-limited routing: 4 of 8
+    groups, so at most 4 nodes); otherwise its k experts fall anywhere."""
+    if n_group > 1 and topk_group < n_group and n_group % nodes == 0:
+        per = n_group // nodes
+        return nodes * (1 - math.comb(n_group - per, topk_group) / math.comb(n_group, topk_group))
+    return nodes * (1 - math.comb(experts - experts // nodes, k) / math.comb(experts, k))
+
+
+def node_rows(tokens: int, nodes_per_token: float, nodes: int, factor: float) -> int:
+    """Tokens one shard may send each node under `hierarchical` (one row per token and node):
+    f x the balanced tokens * nodes_per_token / nodes, at most every token (`factor` 0: that)."""
+    if factor <= 0:
+        return tokens
+    return max(1, min(tokens, math.ceil(factor * tokens * nodes_per_token / nodes)))
+
+
+def gpu_rows(tokens: int, k: int, experts_local: int, gpus: int, nodes: int, rows: int, factor: float) -> int:
+    """Pairs a node's forwarding shard may send each shard of its node under `hierarchical`:
+    f x the balanced tokens * k / gpus (its rows from all nodes carry about `tokens` x k pairs of
+    the node's), at most what its nodes x `rows` rows can hold for one shard (`factor` 0: that)."""
+    exact = nodes * rows * min(k, experts_local)
+    if factor <= 0:
+        return exact
+    return max(1, min(exact, math.ceil(factor * tokens * k / gpus)))
+
+
+def _hierarchical(x, w, idx, gate, up, down, axis, ep, E, nodes, nodes_per_token, factor, tile):
+    """Two levels, as DeepSeek's DeepEP exchanges: a token crosses to each node holding any of
+    its experts once (to the shard of that node at its own position: one all_to_all over the
+    shards at that position on every node), with its choices on that node and their weights; that
+    shard sends the pairs on to their experts' shards inside its node (`_send_pairs` over the
+    node's shards), sums their weighted outputs per token and sends one row back. Across nodes a
+    token moves once per node it reaches instead of once per expert."""
+    Tl, k = idx.shape
+    D, El = x.shape[1], gate.shape[0]
+    N, G = nodes, ep // nodes
+    per_node = G * El
+    B1 = node_rows(Tl, nodes_per_token, N, factor)
+    node = idx // per_node                                                    # [Tl, k]
+    j = jnp.arange(k)
+    same = node[:, :, None] == node[:, None, :]                               # [Tl, k, k]
+    first = ~jnp.any(same & (j[None, :] < j[:, None])[None], axis=2)          # no earlier choice there
+    rep = jnp.argmax(same, axis=2)                                            # that node's first choice
+    pos, keep = dispatch.first_slots(jnp.where(first, node, N), N + 1, B1)
+    sent = first & keep
+    slot = jnp.where(sent, node * B1 + pos, N * B1)                           # N*B1: no row
+    token = jnp.broadcast_to(jnp.arange(Tl, dtype=jnp.int32)[:, None], (Tl, k))
+    table = jnp.full((N * B1 + 1,), Tl, jnp.int32).at[slot.reshape(-1)].set(token.reshape(-1))[:-1]
+    row_node = (jnp.arange(N * B1, dtype=jnp.int32) // B1)[:, None]
+    choices = jnp.concatenate([idx, jnp.full((1, k), E, idx.dtype)])[table]  # [N*B1, k]; E: an empty row
+    here = choices // per_node == row_node
+    e_rows = jnp.where(here, choices - row_node * per_node, per_node)        # node-local ids; per_node: none
+    w_rows = jnp.where(here, jnp.concatenate([w, jnp.zeros((1, k), w.dtype)])[table], 0)
+    x_rows = jnp.concatenate([x, jnp.zeros((1, D), x.dtype)])[table]
+    rails = [[n * G + g for n in range(N)] for g in range(G)]                 # one shard per node
+    inside = [[n * G + g for g in range(G)] for n in range(N)]                # one node's shards
+
+    def across(a):
+        return lax.all_to_all(a.reshape(N, B1, *a.shape[1:]), axis, 0, 0, axis_index_groups=rails
+                              ).reshape(a.shape)
+
+    B2 = gpu_rows(Tl, k, El, G, N, B1, factor)
+    y_rows, dropped = _send_pairs(across(x_rows), across(w_rows), across(e_rows), gate, up, down, axis, G, B2,
+                                  tile, inside)
+    back = across(y_rows)                                                     # in this shard's row order
+    y = jnp.concatenate([back, jnp.zeros((1, D), back.dtype)])[slot].sum(1)
+    lost = ~jnp.take_along_axis(sent, rep, axis=1)                            # pairs whose node row was dropped
+    return y, dropped + lost.sum().astype(jnp.int32)

@@ -116,8 +116,11 @@ class MoE(nnx.Module):
                 experts, (("experts", None, "moe_mlp"), ("experts", None, "moe_mlp"), ("experts", "moe_mlp", None))))
         opts = dict(tile=kn.moe_tile_size, capacity_factor=kn.capacity_factor)
         if expert_parallel.expert_axis()[1] > 1:        # experts sharded: exchange tokens (shard_map)
-            y, dropped = expert_parallel.routed(kind, x_TD, w, idx, *experts, buffer_factor=kn.moe_buffer_factor,
-                                                **opts)
+            nodes = max(1, kn.moe_nodes)
+            y, dropped = expert_parallel.routed(
+                kind, x_TD, w, idx, *experts, buffer_factor=kn.moe_buffer_factor, nodes=nodes,
+                nodes_per_token=expert_parallel.expected_nodes(cfg.n_routed_experts, cfg.num_experts_per_tok,
+                                                               cfg.n_group, cfg.topk_group, nodes), **opts)
         else:
             y, dropped = dispatch.ROUTED[kind](x_TD, w, idx, *experts, **opts)
         y = checkpoint_name(constrain(y.reshape(B, T, D), "batch", "seq", "act_embed"), "moe_routed")
