@@ -234,6 +234,8 @@ class KernelConfig:
     moe_buffer_factor: float = 0.0     # moe_dispatch=alltoall: pairs one shard sends another, x the balanced
                                        # T*k/ep; 0: min(ep, E/k), which never drops (hierarchical: both levels)
     moe_nodes: int = 0                 # moe_dispatch=hierarchical: nodes the expert axis spans (0: mesh.dcn_expert)
+    moe_exchange_fp8: bool = False     # alltoall, hierarchical: rows to the experts (and their output gradients)
+                                       # as FP8 e4m3 with a scale per 128 channels, as DeepSeek-V3 dispatches
 
 
 @dataclasses.dataclass(frozen=True)
@@ -703,6 +705,9 @@ def validate_kernels(k: KernelConfig) -> None:
           f"kernels.moe_buffer_factor={k.moe_buffer_factor}: must be >= 1 (x the balanced load), or 0 for the "
           f"size that never drops")
     _need(k.moe_nodes >= 0, f"kernels.moe_nodes={k.moe_nodes}: must be >= 0 (0: mesh.dcn_expert)")
+    _need(not k.moe_exchange_fp8 or k.moe_dispatch in (MoEDispatch.alltoall, MoEDispatch.hierarchical),
+          f"kernels.moe_exchange_fp8=true: only for moe_dispatch=alltoall or hierarchical (the exchanges that send "
+          f"rows to the experts), not {k.moe_dispatch.value}")
     _need(k.moe_dispatch is not MoEDispatch.grouped,
           "kernels.moe_dispatch=grouped: inference only (no gradient); training takes auto, dropless, ragged, "
           "capacity, loop, gather or dense (infer.moe_decode may name grouped)")

@@ -309,6 +309,7 @@ class Geometry:
     pipeline: int = 1               # outside the stages the batch is sharded over pipeline too
     nodes: int = 1                  # kernels.moe_nodes (hierarchical): nodes the expert axis spans
     nodes_per_token: float = 1.0    # expert_parallel.expected_nodes: a token's nodes, balanced
+    exchange_fp8: bool = False      # kernels.moe_exchange_fp8: rows to the experts in FP8
 
     def hierarchical_rows(self, m: configlib.ModelConfig, rows: int) -> tuple[int, int]:
         """(rows one shard sends each node, pairs one forwarding shard sends each shard of its
@@ -344,7 +345,8 @@ def geometry(cfg: Config, mesh: dict[str, int], backend: str = "gpu") -> Geometr
                     c(m.vocab_size), c(m.intermediate_size), c(m.moe_intermediate_size),
                     c(m.moe_intermediate_size * m.n_shared_experts), shards, mesh["fsdp"], mesh["expert"], kind,
                     min(k.attention_block, cfg.data.seq_len) if k.attention is AttentionImpl.flash else 0,
-                    k.capacity_factor, k.moe_tile_size, k.moe_buffer_factor, mesh["pipeline"], nodes, per_token)
+                    k.capacity_factor, k.moe_tile_size, k.moe_buffer_factor, mesh["pipeline"], nodes, per_token,
+                    k.moe_exchange_fp8)
 
 
 def _scores(m: configlib.ModelConfig, g: Geometry, rows: int, phase: str) -> int:
@@ -848,7 +850,7 @@ def _activation_traffic(cfg: Config, mesh: dict[str, int], g: Geometry) -> list[
     if mesh["expert"] > 1 and m.num_moe_layers:
         for what, kind, stage, mtp in zip(*_exchange(m, g, g.rows_stage), _exchange(m, g, g.rows_outer)[2]):
             # (the MTP block runs outside the stages, on rows_outer rows)
-            out.append(("expert", what, kind, passes * 2 * A * (M * stack * stage + depth * mtp)))
+            out.append(("expert", what, kind, passes * A * (M * stack * stage + depth * mtp)))
     if P > 1:
         xs = g.rows_stage * g.seq * D * dt                               # one microbatch's stage input
         onefoneb = cfg.pipeline.schedule is Schedule.onefoneb
@@ -871,27 +873,34 @@ def _activation_traffic(cfg: Config, mesh: dict[str, int], g: Geometry) -> list[
 
 
 def _exchange(m: configlib.ModelConfig, g: Geometry, rows: int) -> tuple[tuple, tuple, tuple]:
-    """(what, collective, bytes) of each collective of one direction of one MoE layer's expert
-    exchange on `rows` rows (r1jax/kernels/expert_parallel.py), as three tuples: `capacity` sends
+    """(what, collective, bytes) of each collective of one pass of one MoE layer's expert exchange
+    on `rows` rows (r1jax/kernels/expert_parallel.py), there and back (a pass sends its buffers to
+    the experts and back: forward the tokens and their outputs, backward the output gradients and
+    the input gradients; with kernels.moe_exchange_fp8 the way there is FP8 rows and a fp32 scale
+    per 128 channels), as three tuples: `capacity` sends
     its whole [E, C, D] buffer through all_to_all, `alltoall` its ep per-destination buffers of f
     x the balanced pairs; `hierarchical` its nodes' buffers of rows (with each row's k expert ids
     and fp32 weights) over the shards at its position on every node (`all_to_all_nodes`), then
     the forwarding shards' per-shard pair buffers (with their expert ids) inside the node
     (`all_to_all_node`); the others all-gather the expert group's tokens and reduce-scatter the outputs."""
+    from r1jax.kernels.expert_parallel import FP8_BLOCK
     D, k = m.hidden_size, m.num_experts_per_tok
+    row = 2 * D * g.dt                                                # a row there and back
+    if g.exchange_fp8:
+        row = D * g.dt + D + D // math.gcd(D, FP8_BLOCK) * F32
     if g.dispatch == "capacity":
         n, width, _ = _routed_rows(m, g, rows, local_sort=False)
-        return ("dispatch + combine",), ("all_to_all",), (n * width * g.dt,)
+        return ("dispatch + combine",), ("all_to_all",), (2 * n * width * g.dt,)
     if g.dispatch == "alltoall":
         from r1jax.kernels.expert_parallel import buffer_rows
         return ("dispatch + combine",), ("all_to_all",), (
-            g.expert * buffer_rows(rows * g.seq, k, m.n_routed_experts, g.expert, g.buffer_factor) * D * g.dt,)
+            g.expert * buffer_rows(rows * g.seq, k, m.n_routed_experts, g.expert, g.buffer_factor) * row,)
     if g.dispatch == "hierarchical":
         b1, b2 = g.hierarchical_rows(m, rows)
         return (("dispatch + combine across nodes", "dispatch + combine inside nodes"),
                 ("all_to_all_nodes", "all_to_all_node"),
-                (g.nodes * b1 * (D * g.dt + k * (4 + F32)), g.expert // g.nodes * b2 * (D * g.dt + 4)))
-    return ("dispatch + combine",), ("all_gather",), (g.expert * rows * g.seq * D * g.dt,)
+                (g.nodes * b1 * (row + 2 * k * (4 + F32)), g.expert // g.nodes * b2 * (row + 2 * 4)))
+    return ("dispatch + combine",), ("all_gather",), (g.expert * rows * g.seq * 2 * D * g.dt,)
 
 
 def compute_bound(cfg: Config, devices: int, hw: Hardware) -> dict[str, float]:

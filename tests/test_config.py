@@ -38,6 +38,8 @@ BAD = {
     "negative lr": (["optim.lr=-1"], "optim.lr"),
     "fp16 Adam moments": (["optim.moment_dtype=fp16"], "optim.moment_dtype=fp16: must be fp32 or bf16"),
     "zero attention block": (["kernels.attention_block=0"], "kernels.attention_block=0: must be a positive integer"),
+    "FP8 exchange without an exchange that sends rows": (
+        ["kernels.moe_exchange_fp8=true"], "kernels.moe_exchange_fp8=true: only for moe_dispatch=alltoall or hierarchical"),
     "hierarchical nodes not dividing the expert axis": (
         ["mesh.data=2", "mesh.expert=4", "kernels.moe_dispatch=hierarchical", "kernels.moe_nodes=3"],
         "kernels.moe_nodes=3: must divide mesh.expert (4)"),

@@ -310,6 +310,13 @@ def test_deepseek_layout_communication(tmp_path):
     print(f"expert exchange over IB: capacity {axes['expert']['ib_bytes'] / 1e9:.1f} GB, "
           f"hierarchical {hx['ib_bytes'] / 1e9:.1f} GB")
     assert hx["ib_bytes"] < 0.55 * axes["expert"]["ib_bytes"]
+    # kernels.moe_exchange_fp8: the way to the experts in FP8 with a fp32 scale per 128 channels
+    fp8 = plan.load_for_mesh(DSV3, [*H100_256, "train.global_batch_size=2048", "train.microbatches=16",
+                                    "train.epilogue_chunks=1", "kernels.moe_dispatch=hierarchical",
+                                    "kernels.moe_buffer_factor=1.25", "kernels.moe_exchange_fp8=true"], mesh, dcn)
+    h8 = plan.plan(fp8, mesh, "h100-80gb", nodes=256, search=False, dcn=dcn)["comm"]["axes"]["expert"]
+    across = 3 * (16 * 4 + 1) * 8 * math.ceil(1.25 * T * 4 / 8) * (D * 2 + D + D // 128 * 4 + 2 * 8 * 8)
+    assert h8["parts"]["dispatch + combine across nodes"] == pytest.approx(across * 7 / 8, rel=1e-6)
 
 
 # ------------------------------------------------------------------------------------- ZeRO-1

@@ -23,6 +23,9 @@ Four exchanges, chosen by `kernels.moe_dispatch`:
   over InfiniBand a token moves once per node it reaches (with DeepSeek-V3's group-limited routing
   at most topk_group = 4 nodes) instead of once per expert (k = 8). Buffers are f x the balanced
   load at both levels; f = 0 sizes them so that nothing drops.
+- `alltoall` and `hierarchical` with `fp8` (kernels.moe_exchange_fp8): the rows going to the
+  experts, and the gradients of their outputs going to them in the backward, travel as FP8 e4m3
+  with an fp32 scale per 128 channels; the returns stay in the compute dtype (DeepSeek-V3's split).
 - every other dispatch: each shard all-gathers the tokens of its expert group, runs its local
   experts on the pairs routed to them (with `gather` or `dense` when asked, as decode does; else
   the dropless tile kernel), and a reduce-scatter returns each token's sum. Exact; moves ep x
@@ -33,6 +36,7 @@ replicated router/shared gradients over the batch axes.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -55,11 +59,12 @@ def expert_axis() -> tuple[str | None, int]:
 
 
 def routed(kind: str, x_TD, w, idx, gate, up, down, *, tile: int, capacity_factor: float,
-           buffer_factor: float = 0.0, nodes: int = 1, nodes_per_token: float = 1.0):
+           buffer_factor: float = 0.0, nodes: int = 1, nodes_per_token: float = 1.0, fp8: bool = False):
     """Routed-expert output [T, D] and the global count of dropped pairs, experts sharded.
     `hierarchical`: the expert axis spans `nodes` nodes (its index is node x shards a node +
     position inside it, as r1jax.parallel.mesh lays it out); `nodes_per_token` sizes its buffers
-    (`expected_nodes`)."""
+    (`expected_nodes`). `fp8` (alltoall, hierarchical): the rows sent to the experts, and the
+    gradients sent back to them, travel as FP8 (`_exchange`)."""
     mesh = jax.sharding.get_abstract_mesh()
     axis, ep = expert_axis()
     token_axes = logical.mesh_axes("batch")
@@ -73,10 +78,10 @@ def routed(kind: str, x_TD, w, idx, gate, up, down, *, tile: int, capacity_facto
         if kind == "capacity":
             y, dropped = _all_to_all(x, w, idx, gate, up, down, axis, ep, E, capacity_factor)
         elif kind == "alltoall":
-            y, dropped = _buffered(x, w, idx, gate, up, down, axis, ep, E, buffer_factor, tile)
+            y, dropped = _buffered(x, w, idx, gate, up, down, axis, ep, E, buffer_factor, tile, fp8)
         elif kind == "hierarchical":
             y, dropped = _hierarchical(x, w, idx, gate, up, down, axis, ep, E, nodes, nodes_per_token,
-                                       buffer_factor, tile)
+                                       buffer_factor, tile, fp8)
         else:
             y, dropped = _gather_scatter(kind, x, w, idx, gate, up, down, axis, ep, tile)
         return y, lax.psum(dropped, token_axes)
@@ -124,17 +129,60 @@ def buffer_rows(tokens: int, k: int, experts: int, ep: int, factor: float) -> in
     return max(1, math.ceil(f * tokens * k / ep))
 
 
-def _buffered(x, w, idx, gate, up, down, axis, ep, E, factor, tile):
+def _buffered(x, w, idx, gate, up, down, axis, ep, E, factor, tile, fp8=False):
     B = buffer_rows(idx.shape[0], idx.shape[1], E, ep, factor)
-    return _send_pairs(x, w, idx, gate, up, down, axis, ep, B, tile)
+    return _send_pairs(x, w, idx, gate, up, down, axis, ep, B, tile, fp8=fp8)
 
 
-def _send_pairs(x, w, idx, gate, up, down, axis, n, B, tile, groups=None):
+FP8_BLOCK = 128          # channels a scale covers: DeepSeek-V3's 1 x 128 activation tiles
+FP8_MAX = 448.0          # float8_e4m3fn's largest finite value
+
+
+def _quantize(a):
+    """a [..., D] as float8_e4m3fn and an fp32 scale per block of FP8_BLOCK channels (or of the
+    largest block size dividing D), each block's largest magnitude mapped to FP8_MAX."""
+    b = math.gcd(a.shape[-1], FP8_BLOCK)
+    blocks = a.astype(jnp.float32).reshape(*a.shape[:-1], a.shape[-1] // b, b)
+    scale = jnp.max(jnp.abs(blocks), axis=-1, keepdims=True) / FP8_MAX
+    scale = jnp.where(scale > 0, scale, 1.0)
+    return (blocks / scale).astype(jnp.float8_e4m3fn), scale
+
+
+def _move(a, send, fp8: bool):
+    if not fp8:
+        return send(a)
+    q, scale = _quantize(a)
+    return (send(q).astype(jnp.float32) * send(scale)).reshape(a.shape).astype(a.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _exchange(a, send, fp8_there: bool, fp8_back: bool):
+    """send(a), `send` an all_to_all between shards that is its own inverse (split and concatenated
+    along the same axis), so a cotangent goes back through it too. `fp8_there`: a travels as FP8
+    (with its scales); `fp8_back`: its cotangent does. DeepSeek-V3 sends the tokens to the experts
+    in FP8 going forward and the output gradients to them going backward, and both returns (the
+    expert outputs, the input gradients) in bf16."""
+    return _move(a, send, fp8_there)
+
+
+def _exchange_fwd(a, send, fp8_there, fp8_back):
+    return _move(a, send, fp8_there), None
+
+
+def _exchange_bwd(send, fp8_there, fp8_back, _, g):
+    return (_move(g, send, fp8_back),)
+
+
+_exchange.defvjp(_exchange_fwd, _exchange_bwd)
+
+
+def _send_pairs(x, w, idx, gate, up, down, axis, n, B, tile, groups=None, fp8=False):
     """y [R, D] = sum_j w[r,j] * expert_{idx[r,j]}(x[r]) with the experts spread over a group of
     n shards (El each; `groups`: axis_index_groups of `axis`, None for the whole axis): each pair
     goes to shard idx // El in one all_to_all of n buffers of B rows, is run there with the
     dropless tiles, and comes back in a second. Ids >= n * El are no pair; pairs past a
-    destination's B rows are dropped (first choices first) and counted."""
+    destination's B rows are dropped (first choices first) and counted. `fp8`: the rows to the
+    experts and the gradients of their outputs travel as FP8 (`_exchange`)."""
     R, k = idx.shape
     D, El = x.shape[1], gate.shape[0]
     valid = idx < n * El
@@ -146,11 +194,12 @@ def _send_pairs(x, w, idx, gate, up, down, axis, n, B, tile, groups=None):
     token = jnp.broadcast_to(jnp.arange(R, dtype=jnp.int32)[:, None], (R, k)).reshape(-1)
     table = jnp.full((n * B + 1,), R, jnp.int32).at[flat].set(token)[:-1]           # R: an empty row
     expert = jnp.full((n * B + 1,), El, jnp.int32).at[flat].set((idx % El).reshape(-1))[:-1]   # El: none
+    a2a = functools.partial(lax.all_to_all, axis_name=axis, split_axis=0, concat_axis=0, axis_index_groups=groups)
     send = jnp.concatenate([x, jnp.zeros((1, D), x.dtype)])[table].reshape(n, B, D)   # dim0: destination
-    recv = lax.all_to_all(send, axis, 0, 0, axis_index_groups=groups).reshape(n * B, D)   # rows by source
-    recv_expert = lax.all_to_all(expert.reshape(n, B), axis, 0, 0, axis_index_groups=groups).reshape(n * B, 1)
+    recv = _exchange(send, a2a, fp8, False).reshape(n * B, D)                          # rows by source
+    recv_expert = a2a(expert.reshape(n, B)).reshape(n * B, 1)
     ye, _ = dispatch.routed_dropless(recv, jnp.ones((n * B, 1), x.dtype), recv_expert, gate, up, down, tile=tile)
-    back = lax.all_to_all(ye.reshape(n, B, D), axis, 0, 0, axis_index_groups=groups).reshape(n * B, D)
+    back = _exchange(ye.reshape(n, B, D), a2a, False, fp8).reshape(n * B, D)
     out = jnp.concatenate([back, jnp.zeros((1, D), back.dtype)])[slot]                # [R, k, D]
     y = jnp.einsum("tkd,tk->td", out, w.astype(x.dtype))
     return y, (valid & ~keep).sum().astype(jnp.int32)
@@ -185,7 +234,7 @@ def gpu_rows(tokens: int, k: int, experts_local: int, gpus: int, nodes: int, row
     return max(1, min(exact, math.ceil(factor * tokens * k / gpus)))
 
 
-def _hierarchical(x, w, idx, gate, up, down, axis, ep, E, nodes, nodes_per_token, factor, tile):
+def _hierarchical(x, w, idx, gate, up, down, axis, ep, E, nodes, nodes_per_token, factor, tile, fp8=False):
     """Two levels, as DeepSeek's DeepEP exchanges: a token crosses to each node holding any of
     its experts once (to the shard of that node at its own position: one all_to_all over the
     shards at that position on every node), with its choices on that node and their weights; that
@@ -216,14 +265,17 @@ def _hierarchical(x, w, idx, gate, up, down, axis, ep, E, nodes, nodes_per_token
     rails = [[n * G + g for n in range(N)] for g in range(G)]                 # one shard per node
     inside = [[n * G + g for g in range(G)] for n in range(N)]                # one node's shards
 
-    def across(a):
-        return lax.all_to_all(a.reshape(N, B1, *a.shape[1:]), axis, 0, 0, axis_index_groups=rails
-                              ).reshape(a.shape)
+    a2a = functools.partial(lax.all_to_all, axis_name=axis, split_axis=0, concat_axis=0, axis_index_groups=rails)
+
+    def across(a, there=False, back=False):
+        a = a.reshape(N, B1, *a.shape[1:])
+        moved = _exchange(a, a2a, there, back) if jnp.issubdtype(a.dtype, jnp.floating) else a2a(a)
+        return moved.reshape(N * B1, *a.shape[2:])
 
     B2 = gpu_rows(Tl, k, El, G, N, B1, factor)
-    y_rows, dropped = _send_pairs(across(x_rows), across(w_rows), across(e_rows), gate, up, down, axis, G, B2,
-                                  tile, inside)
-    back = across(y_rows)                                                     # in this shard's row order
+    y_rows, dropped = _send_pairs(across(x_rows, there=fp8), across(w_rows), across(e_rows), gate, up, down, axis,
+                                  G, B2, tile, inside, fp8)
+    back = across(y_rows, back=fp8)                                           # in this shard's row order
     y = jnp.concatenate([back, jnp.zeros((1, D), back.dtype)])[slot].sum(1)
     lost = ~jnp.take_along_axis(sent, rep, axis=1)                            # pairs whose node row was dropped
     return y, dropped + lost.sum().astype(jnp.int32)

@@ -120,7 +120,8 @@ class MoE(nnx.Module):
             y, dropped = expert_parallel.routed(
                 kind, x_TD, w, idx, *experts, buffer_factor=kn.moe_buffer_factor, nodes=nodes,
                 nodes_per_token=expert_parallel.expected_nodes(cfg.n_routed_experts, cfg.num_experts_per_tok,
-                                                               cfg.n_group, cfg.topk_group, nodes), **opts)
+                                                               cfg.n_group, cfg.topk_group, nodes),
+                fp8=kn.moe_exchange_fp8, **opts)
         else:
             y, dropped = dispatch.ROUTED[kind](x_TD, w, idx, *experts, **opts)
         y = checkpoint_name(constrain(y.reshape(B, T, D), "batch", "seq", "act_embed"), "moe_routed")
