@@ -57,8 +57,13 @@ tokens per step = global batch / (data x fsdp x expert) x seq):
     tensor    all-reduces of tok x D x dt, 2 a layer a pass, over the layers a device runs;
     expert    dispatch + combine a MoE layer a pass: `capacity`'s all-to-all of its [E, C, D] dt
               buffers (C = ceil(capacity_factor x tokens x k / E): about tokens x k x D x dt,
-              of which (n-1)/n leaves the device), or the dropless/ragged exchange's all-gather of
-              the expert group's tokens and reduce-scatter of their outputs (ep x tokens x D x dt);
+              of which (n-1)/n leaves the device), `alltoall`'s ep buffers of f x tokens x k / ep
+              rows, `hierarchical`'s buffers to each node (f x tokens x the nodes a token reaches
+              / nodes rows, with each row's k ids and weights; its (nodes-1)/nodes over IB) and
+              from each node's forwarding shards to the node's shards (f x tokens x k / shards a
+              node pairs, over NVLink), or the dropless/ragged exchange's all-gather of the expert
+              group's tokens and reduce-scatter of their outputs (ep x tokens x D x dt); with
+              kernels.moe_exchange_fp8 the way to the experts in FP8 (+ a fp32 scale per 128);
     pipeline  stage boundaries, rows x seq x D x dt a tick forward and backward (GPipe/circular:
               M x repeats + P - 1 ticks, 1F1B: M + 2P - 2), the other stages' rows of the
               stack's input sent to stage 0 and their gradient back, and (GPipe/circular) of its
@@ -877,9 +882,9 @@ def _exchange(m: configlib.ModelConfig, g: Geometry, rows: int) -> tuple[tuple, 
     on `rows` rows (r1jax/kernels/expert_parallel.py), there and back (a pass sends its buffers to
     the experts and back: forward the tokens and their outputs, backward the output gradients and
     the input gradients; with kernels.moe_exchange_fp8 the way there is FP8 rows and a fp32 scale
-    per 128 channels), as three tuples: `capacity` sends
-    its whole [E, C, D] buffer through all_to_all, `alltoall` its ep per-destination buffers of f
-    x the balanced pairs; `hierarchical` its nodes' buffers of rows (with each row's k expert ids
+    per 128 channels), as three tuples: `capacity` sends its whole [E, C, D] buffer through
+    all_to_all, `alltoall` its ep per-destination buffers of f x the balanced pairs;
+    `hierarchical` its nodes' buffers of rows (with each row's k expert ids
     and fp32 weights) over the shards at its position on every node (`all_to_all_nodes`), then
     the forwarding shards' per-shard pair buffers (with their expert ids) inside the node
     (`all_to_all_node`); the others all-gather the expert group's tokens and reduce-scatter the outputs."""
