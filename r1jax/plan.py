@@ -389,13 +389,14 @@ def _routed_rows(m: configlib.ModelConfig, g: Geometry, rows: int, local_sort: b
     if g.expert > 1 and g.dispatch == "capacity":    # all_to_all: C slots per expert from each source
         cap = max(1, math.ceil(g.capacity_factor * rows * g.seq * k / E))
         return (E // g.expert) * g.expert * cap, m.hidden_size, rows * g.seq * k
-    if g.expert > 1 and g.dispatch == "alltoall":    # all_to_all: f x the balanced pairs from each source,
-        from r1jax.kernels.expert_parallel import buffer_rows     # run dropless (one pair a row) at the owner
-        recv = g.expert * buffer_rows(rows * g.seq, k, E, g.expert, g.buffer_factor)
-        n = -(-(recv + (E // g.expert) * (g.tile - 1)) // g.tile) * g.tile
-        return n, m.hidden_size, rows * g.seq * k
-    if g.expert > 1 and g.dispatch == "hierarchical":   # the pairs its node's forwarders send it, dropless
-        recv = g.expert // g.nodes * g.hierarchical_rows(m, rows)[1]
+    if g.expert > 1 and g.dispatch in ("alltoall", "hierarchical"):
+        # the pairs the owner receives, run dropless (one pair a row): alltoall's f x the balanced
+        # pairs from each source, or hierarchical's from each forwarding shard of its node
+        from r1jax.kernels.expert_parallel import buffer_rows
+        if g.dispatch == "alltoall":
+            recv = g.expert * buffer_rows(rows * g.seq, k, E, g.expert, g.buffer_factor)
+        else:
+            recv = g.expert // g.nodes * g.hierarchical_rows(m, rows)[1]
         n = -(-(recv + (E // g.expert) * (g.tile - 1)) // g.tile) * g.tile
         return n, m.hidden_size, rows * g.seq * k
     if g.expert > 1:
