@@ -63,7 +63,10 @@ tokens per step = global batch / (data x fsdp x expert) x seq):
               from each node's forwarding shards to the node's shards (f x tokens x k / shards a
               node pairs, over NVLink), or the dropless/ragged exchange's all-gather of the expert
               group's tokens and reduce-scatter of their outputs (ep x tokens x D x dt); with
-              kernels.moe_exchange_fp8 the way to the experts in FP8 (+ a fp32 scale per 128);
+              kernels.moe_exchange_fp8 the way to the experts in FP8 (+ a fp32 scale per 128).
+              A recomputed forward of the stack runs the way there only (the weights are
+              applied on the experts' shards, so nothing in the backward reads the way back),
+              except where the recompute itself reads a layer's output (`exchange_passes`);
     pipeline  stage boundaries, rows x seq x D x dt a tick forward and backward (GPipe/circular:
               M x repeats + P - 1 ticks, 1F1B: M + 2P - 2), the other stages' rows of the
               stack's input sent to stage 0 and their gradient back, and (GPipe/circular) of its
@@ -854,9 +857,12 @@ def _activation_traffic(cfg: Config, mesh: dict[str, int], g: Geometry) -> list[
         tokens = A * g.rows_accum * g.seq                                # this device's, per step
         out.append(("tensor", "activation all-reduces", "all_reduce", passes * 2 * layers * tokens * D * dt))
     if mesh["expert"] > 1 and m.num_moe_layers:
-        for what, kind, stage, mtp in zip(*_exchange(m, g, g.rows_stage), _exchange(m, g, g.rows_outer)[2]):
+        there_passes, back_passes = exchange_passes(cfg, mesh)
+        for what, kind, there, back, mtp_there, mtp_back in zip(*_exchange(m, g, g.rows_stage),
+                                                                *_exchange(m, g, g.rows_outer)[2:]):
             # (the MTP block runs outside the stages, on rows_outer rows)
-            out.append(("expert", what, kind, passes * A * (M * stack * stage + depth * mtp)))
+            out.append(("expert", what, kind, A * (M * stack * (there_passes * there + back_passes * back)
+                                                   + depth * passes * (mtp_there + mtp_back))))
     if P > 1:
         xs = g.rows_stage * g.seq * D * dt                               # one microbatch's stage input
         onefoneb = cfg.pipeline.schedule is Schedule.onefoneb
@@ -878,35 +884,56 @@ def _activation_traffic(cfg: Config, mesh: dict[str, int], g: Geometry) -> list[
     return out
 
 
-def _exchange(m: configlib.ModelConfig, g: Geometry, rows: int) -> tuple[tuple, tuple, tuple]:
-    """(what, collective, bytes) of each collective of one pass of one MoE layer's expert exchange
-    on `rows` rows (r1jax/kernels/expert_parallel.py), there and back (a pass sends its buffers to
-    the experts and back: forward the tokens and their outputs, backward the output gradients and
-    the input gradients; with kernels.moe_exchange_fp8 the way there is FP8 rows and a fp32 scale
-    per 128 channels), as three tuples: `capacity` sends its whole [E, C, D] buffer through
+def exchange_passes(cfg: Config, mesh: dict[str, int]) -> tuple[int, int]:
+    """(times a step runs the way there, the way back) of each pipelined-stack MoE layer's expert
+    exchange per microbatch. Forward and backward run both. A recomputed forward needs the way
+    there (the experts' inputs) and the way back only where the recompute itself reads the
+    output: a later layer of a pipeline tick of several layers under stage_remat, or 1F1B's
+    backward tick (a vjp of its stage, which computes the stage's output too). Those recompute
+    the tick, and remat recomputes each layer again inside it (twice there), except that
+    stage_remat's one-layer tick is the layer's own recompute. (The compiled step's all_to_alls:
+    tests/test_moe_alltoall.py.)"""
+    P = mesh.get("pipeline", 1)
+    layout = _layout(cfg, mesh)
+    onefoneb = P > 1 and cfg.pipeline.schedule is Schedule.onefoneb
+    r, s = cfg.train.remat is not Remat.none, P > 1 and (cfg.pipeline.stage_remat or onefoneb)
+    several = s and (onefoneb or layout.chunk > 1)
+    return 2 + (r or s) + (several and r), 2 + several
+
+
+def _exchange(m: configlib.ModelConfig, g: Geometry, rows: int) -> tuple[tuple, tuple, tuple, tuple]:
+    """(what, collective, bytes there, bytes back) of each collective of one pass of one MoE
+    layer's expert exchange on `rows` rows (r1jax/kernels/expert_parallel.py), as four tuples. A
+    pass sends its buffers to the experts and back: forward the tokens (with each pair's expert
+    id and weight) and their weighted outputs, backward the output gradients and the input
+    gradients (with the weights' gradients); with kernels.moe_exchange_fp8 the way there is FP8
+    rows and a fp32 scale per 128 channels. `capacity` sends its whole [E, C, D] buffer through
     all_to_all, `alltoall` its ep per-destination buffers of f x the balanced pairs;
-    `hierarchical` its nodes' buffers of rows (with each row's k expert ids
-    and fp32 weights) over the shards at its position on every node (`all_to_all_nodes`), then
-    the forwarding shards' per-shard pair buffers (with their expert ids) inside the node
-    (`all_to_all_node`); the others all-gather the expert group's tokens and reduce-scatter the outputs."""
+    `hierarchical` its nodes' buffers of rows (with each row's k expert ids and fp32 weights)
+    over the shards at its position on every node (`all_to_all_nodes`), then the forwarding
+    shards' per-shard pair buffers inside the node (`all_to_all_node`); the others all-gather
+    the expert group's tokens and reduce-scatter the outputs."""
     from r1jax.kernels.expert_parallel import FP8_BLOCK
-    D, k = m.hidden_size, m.num_experts_per_tok
-    row = 2 * D * g.dt                                                # a row there and back
+    D, k, dt = m.hidden_size, m.num_experts_per_tok, g.dt
+    there = D * dt                                                     # a row to the experts
     if g.exchange_fp8:
-        row = D * g.dt + D + D // math.gcd(D, FP8_BLOCK) * F32
+        there = D + D // math.gcd(D, FP8_BLOCK) * F32
+    back = D * dt
     if g.dispatch == "capacity":
         n, width, _ = _routed_rows(m, g, rows, local_sort=False)
-        return ("dispatch + combine",), ("all_to_all",), (2 * n * width * g.dt,)
+        return ("dispatch + combine",), ("all_to_all",), (n * (width + 1) * dt,), (n * width * dt,)
     if g.dispatch == "alltoall":
         from r1jax.kernels.expert_parallel import buffer_rows
-        return ("dispatch + combine",), ("all_to_all",), (
-            g.expert * buffer_rows(rows * g.seq, k, m.n_routed_experts, g.expert, g.buffer_factor) * row,)
+        n = g.expert * buffer_rows(rows * g.seq, k, m.n_routed_experts, g.expert, g.buffer_factor)
+        return ("dispatch + combine",), ("all_to_all",), (n * (there + 4 + dt),), (n * back,)
     if g.dispatch == "hierarchical":
         b1, b2 = g.hierarchical_rows(m, rows)
+        n1, n2 = g.nodes * b1, g.expert // g.nodes * b2
         return (("dispatch + combine across nodes", "dispatch + combine inside nodes"),
                 ("all_to_all_nodes", "all_to_all_node"),
-                (g.nodes * b1 * (row + 2 * k * (4 + F32)), g.expert // g.nodes * b2 * (row + 2 * 4)))
-    return ("dispatch + combine",), ("all_gather",), (g.expert * rows * g.seq * 2 * D * g.dt,)
+                (n1 * (there + k * (4 + F32)), n2 * (there + 4 + dt)), (n1 * back, n2 * back))
+    n = g.expert * rows * g.seq * D * dt
+    return ("dispatch + combine",), ("all_gather",), (n,), (n,)
 
 
 def compute_bound(cfg: Config, devices: int, hw: Hardware) -> dict[str, float]:

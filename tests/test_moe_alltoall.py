@@ -6,6 +6,7 @@ count of the overflow (alltoall: per source and destination; hierarchical: per s
 then per forwarding shard and destination inside the node)."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import jax
@@ -237,3 +238,57 @@ def test_fp8_exchange_is_close_and_sends_the_rows_to_the_experts_in_fp8(setup, k
           f"{len(fp8)} FP8 all_to_alls")
     assert len(fp8) == (2 if kind == "alltoall" else 4)
     assert 1e-4 < d_y < 0.0625 and 1e-4 < d_g < 0.0625
+
+
+def _step_hlo(overrides: list[str]) -> str:
+    """The compiled train step of tiny.yaml under `overrides` (abstract state: nothing allocated)."""
+    from r1jax.parallel import pipeline
+    from r1jax.train import optim
+    from r1jax.train import state as statelib
+    from r1jax.train.step import make_train_step
+    cfg = configlib.load(ROOT / "configs" / "tiny.yaml", overrides)
+    mesh = meshlib.make_mesh(cfg.mesh)
+    graphdef, target = weights.target(cfg, mesh, pipeline.mesh_layout(cfg, mesh))
+    tx = optim.make(cfg.optim, cfg.train.steps)
+    state, shardings = statelib.abstract(target, tx, cfg, mesh)
+    step = make_train_step(graphdef, tx, cfg, mesh, shardings)
+    batch = {k: jax.ShapeDtypeStruct((cfg.train.global_batch_size, cfg.data.seq_len), jnp.int32,
+                                     sharding=meshlib.batch_sharding(mesh)) for k in ("ids", "segment_ids", "positions")}
+    return cfg, step.lower(state, batch).compile().as_text()
+
+
+PIPELINED = ["mesh.data=2", "mesh.expert=2", "mesh.pipeline=2", "train.microbatches=2"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case, overrides, want", [
+    ("no pipeline", ["mesh.data=2", "mesh.expert=4"], (3, 2)),
+    ("circular, a layer a tick", [*PIPELINED, "pipeline.schedule=circular", "pipeline.repeats=2",
+                                  "pipeline.stage_remat=true", "model.num_hidden_layers=5"], (3, 2)),
+    ("circular, 2 layers a tick", [*PIPELINED, "pipeline.schedule=circular", "pipeline.repeats=2",
+                                   "pipeline.stage_remat=true", "model.num_hidden_layers=9"], (4, 3)),
+    ("1f1b", [*PIPELINED, "pipeline.schedule=1f1b", "model.num_hidden_layers=5"], (4, 3)),
+])
+def test_remat_recomputes_the_way_there_and_the_planner_counts_what_runs(case, overrides, want):
+    """The pairs' weights are applied on the experts' shards, so a recomputed forward (remat full
+    here) needs the exchange's way there, not its way back, and autodiff drops the return: the
+    compiled step's all_to_alls of a MoE layer's rows (FP8 to the experts, fp32 back; no MTP
+    block) are 3 there and 2 back without a pipeline. A pipeline tick of several layers under
+    stage_remat and 1F1B's backward tick read a layer's output in the recompute, so there the
+    return runs again (and the way there once more); a one-layer tick's two recomputes are one
+    after XLA's CSE. The planner's exchange_passes gives the same counts: the rows it bills."""
+    from r1jax import plan
+    cfg, hlo = _step_hlo([*overrides, "kernels.moe_dispatch=alltoall", "kernels.moe_exchange_fp8=true",
+                          "train.remat=full", "model.num_nextn_predict_layers=0"])
+    D = cfg.model.hidden_size
+    there = back = 0
+    for line in hlo.splitlines():
+        if " all-to-all(" not in line and " all-to-all-start(" not in line:
+            continue
+        dtype, dims = re.search(r"= \(?(\w+)\[([\d,]*)\]", line).groups()
+        dims = [int(d) for d in dims.split(",")]
+        there += dtype != "f32" and dims[-2:] == [1, D]           # FP8 rows (XLA:CPU moves them as f16)
+        back += dtype == "f32" and len(dims) == 3 and dims[-1] == D
+    mesh = {a: getattr(cfg.mesh, a) for a in plan.AXES}
+    print(f"\n{case}: the way there {there} times, back {back}; planner {plan.exchange_passes(cfg, mesh)}")
+    assert (there, back) == want == plan.exchange_passes(cfg, mesh)

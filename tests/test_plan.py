@@ -261,15 +261,17 @@ def test_fsdp32_x_expert8_on_256_h100_fits_but_is_comm_bound():
 
 def test_deepseek_layout_communication(tmp_path):
     """DeepSeek's layout, node-aware (EP64 = 8 GPUs x 8 nodes): its IB traffic is the expert
-    exchange, the all-to-all of the capacity dispatch's [E, C, D] bf16 buffers, dispatch and
-    combine in 3 passes (remat recomputes the forward), of which 56/64 leaves the node; the
-    gradient all-reduce crosses nodes on 1/8 of the non-expert gradients.
+    exchange, the all-to-all of the capacity dispatch's [E, C, D] bf16 buffers, to the experts
+    3 times (remat recomputes the forward, which needs only the way there) and back twice, of
+    which 56/64 leaves the node; the gradient all-reduce crosses nodes on 1/8 of the non-expert
+    gradients.
 
-    r1jax sends every (token, expert) pair in bf16: 8 x 7168 x 2 B x 1.25 (capacity) x 2
-    (dispatch, combine) x 3 passes x 56/64 = 0.75 MB a token and MoE layer over IB, 15 us at
-    50 GB/s against ~4 us of peak compute (4.2 GFLOP), so this layout is flagged as well, at a
-    third of fsdp32 x expert8's ratio. DeepSeek-V3 reaches ~1:1 by sending a token once per node
-    (at most 4 nodes), in FP8, and overlapping it (DualPipe), none of which r1jax does."""
+    r1jax sends every (token, expert) pair in bf16: 8 x 7168 x 2 B x 1.25 (capacity) x 5 (3 there,
+    2 back) x 56/64 = 0.63 MB a token and MoE layer over IB, 13 us at 50 GB/s against ~4 us of
+    peak compute (4.2 GFLOP), so this layout is flagged as well, at a third of fsdp32 x
+    expert8's ratio. DeepSeek-V3 reaches ~1:1 by sending a token once per node (at most 4
+    nodes), in FP8, and overlapping it (DualPipe); r1jax does the first two when asked, not the
+    third."""
     mesh = {"data": 2, "expert": 64, "pipeline": 16}
     dcn = {"data": 2, "expert": 8, "pipeline": 16}
     cfg = plan.load_for_mesh(DSV3, [*H100_256, "train.global_batch_size=2048", "train.microbatches=16",
@@ -280,9 +282,12 @@ def test_deepseek_layout_communication(tmp_path):
     assert {a: (v["gpus_per_node"], v["nodes"]) for a, v in axes.items()} == {
         "data": (1, 2), "expert": (8, 8), "pipeline": (1, 16)}
     m, E, T, D = cfg.model, cfg.model.n_routed_experts, cfg.data.seq_len, cfg.model.hidden_size
-    buffer = lambda rows: E * math.ceil(1.25 * rows * T * m.num_experts_per_tok / E) * D * 2
-    # passes x (dispatch, combine) x (16 microbatches x 4 stack layers, the MTP on this device's 1 row)
-    sent = 3 * 2 * (16 * 4 * buffer(1) + 1 * buffer(1))
+    # the stack's layers (16 microbatches x 4 a stage, one a tick) go there 3 times and back twice;
+    # the MTP block (this device's 1 row), recomputed with the head that reads it, 3 times each way
+    assert plan.exchange_passes(cfg, {**dict.fromkeys(plan.AXES, 1), **mesh}) == (3, 2)
+    slots = E * math.ceil(1.25 * 1 * T * m.num_experts_per_tok / E)
+    there, back = slots * (D + 1) * 2, slots * D * 2                  # each slot's weight goes with it
+    sent = 16 * 4 * (3 * there + 2 * back) + 3 * (there + back)
     assert axes["expert"]["parts"]["dispatch + combine"] == pytest.approx(sent * 63 / 64, rel=1e-6)
     assert axes["expert"]["ib_bytes"] > 0.9 * sent * 56 / 64
     fsdp32 = plan.plan(plan.load_for_mesh(DSV3, [*H100_256, "train.global_batch_size=256", "train.microbatches=1",
@@ -305,7 +310,9 @@ def test_deepseek_layout_communication(tmp_path):
                                          "kernels.moe_buffer_factor=1.25"], mesh, dcn)
     assert hier_cfg.kernels.moe_nodes == 8                                  # mesh.dcn_expert
     hx = plan.plan(hier_cfg, mesh, "h100-80gb", nodes=256, search=False, dcn=dcn)["comm"]["axes"]["expert"]
-    across = 3 * 2 * (16 * 4 + 1) * 8 * math.ceil(1.25 * T * 4 / 8) * (D * 2 + 8 * 8)
+    rows = 8 * math.ceil(1.25 * T * 4 / 8)
+    there, back = rows * (D * 2 + 8 * 8), rows * D * 2
+    across = 16 * 4 * (3 * there + 2 * back) + 3 * (there + back)
     assert hx["parts"]["dispatch + combine across nodes"] == pytest.approx(across * 7 / 8, rel=1e-6)
     print(f"expert exchange over IB: capacity {axes['expert']['ib_bytes'] / 1e9:.1f} GB, "
           f"hierarchical {hx['ib_bytes'] / 1e9:.1f} GB")
@@ -315,7 +322,8 @@ def test_deepseek_layout_communication(tmp_path):
                                     "train.epilogue_chunks=1", "kernels.moe_dispatch=hierarchical",
                                     "kernels.moe_buffer_factor=1.25", "kernels.moe_exchange_fp8=true"], mesh, dcn)
     h8 = plan.plan(fp8, mesh, "h100-80gb", nodes=256, search=False, dcn=dcn)["comm"]["axes"]["expert"]
-    across = 3 * (16 * 4 + 1) * 8 * math.ceil(1.25 * T * 4 / 8) * (D * 2 + D + D // 128 * 4 + 2 * 8 * 8)
+    there = rows * (D + D // 128 * 4 + 8 * 8)
+    across = 16 * 4 * (3 * there + 2 * back) + 3 * (there + back)
     assert h8["parts"]["dispatch + combine across nodes"] == pytest.approx(across * 7 / 8, rel=1e-6)
 
 

@@ -110,15 +110,23 @@ def _all_to_all(x, w, idx, gate, up, down, axis, ep, E, capacity_factor):
     slot = jnp.where(keep, idx * C + pos, E * C)                  # E*C: dropped
     token = jnp.broadcast_to(jnp.arange(Tl, dtype=jnp.int32)[:, None], (Tl, k))
     table = jnp.full((E * C + 1,), Tl, jnp.int32).at[slot.reshape(-1)].set(token.reshape(-1))[:-1]
+    weight = jnp.zeros((E * C + 1,), x.dtype).at[slot.reshape(-1)].set(w.astype(x.dtype).reshape(-1))[:-1]
     send = jnp.concatenate([x, jnp.zeros((1, D), x.dtype)])[table].reshape(ep, El, C, D)   # dim0: destination
     recv = lax.all_to_all(send, axis, 0, 0)                                                # dim0: source
     xe = recv.transpose(1, 0, 2, 3).reshape(El, ep * C, D)
+    we = lax.all_to_all(weight.reshape(ep, El, C), axis, 0, 0).transpose(1, 0, 2).reshape(El, ep * C, 1)
     h = jax.nn.silu(jnp.einsum("ECD,EDF->ECF", xe, gate)) * jnp.einsum("ECD,EDF->ECF", xe, up)
-    ye = jnp.einsum("ECF,EFD->ECD", h, down).reshape(El, ep, C, D).transpose(1, 0, 2, 3)
+    # weighted where the expert ran (`_send_pairs` says why)
+    ye = (jnp.einsum("ECF,EFD->ECD", h, down) * we).reshape(El, ep, C, D).transpose(1, 0, 2, 3)
     back = lax.all_to_all(ye, axis, 0, 0).reshape(E * C, D)                                # owner order
     out = jnp.concatenate([back, jnp.zeros((1, D), back.dtype)])[slot]                     # [Tl,k,D]
-    y = jnp.einsum("tkd,tk->td", out, w.astype(x.dtype))
-    return y, (Tl * k - keep.sum()).astype(jnp.int32)
+    return _sum_pairs(out), (Tl * k - keep.sum()).astype(jnp.int32)
+
+
+def _sum_pairs(out):
+    """[R, k, D] weighted pair outputs summed per row in fp32 (one rounding to the compute dtype,
+    as the weighted einsum this replaces had)."""
+    return out.astype(jnp.float32).sum(1).astype(out.dtype)
 
 
 def buffer_rows(tokens: int, k: int, experts: int, ep: int, factor: float) -> int:
@@ -182,7 +190,14 @@ def _send_pairs(x, w, idx, gate, up, down, axis, n, B, tile, groups=None, fp8=Fa
     goes to shard idx // El in one all_to_all of n buffers of B rows, is run there with the
     dropless tiles, and comes back in a second. Ids >= n * El are no pair; pairs past a
     destination's B rows are dropped (first choices first) and counted. `fp8`: the rows to the
-    experts and the gradients of their outputs travel as FP8 (`_exchange`)."""
+    experts and the gradients of their outputs travel as FP8 (`_exchange`).
+
+    Each pair's weight travels with it and is applied on the expert's shard, so the router
+    weights' gradient is computed there too (from the output gradient that comes back anyway).
+    The returned rows then feed only the layer's output: a remat recompute (train.remat,
+    pipeline.stage_remat) of the layer's forward for its backward needs the way there, not the
+    way back, and autodiff drops the return (tests/test_moe_alltoall.py counts the compiled
+    step's all_to_alls)."""
     R, k = idx.shape
     D, El = x.shape[1], gate.shape[0]
     valid = idx < n * El
@@ -194,15 +209,16 @@ def _send_pairs(x, w, idx, gate, up, down, axis, n, B, tile, groups=None, fp8=Fa
     token = jnp.broadcast_to(jnp.arange(R, dtype=jnp.int32)[:, None], (R, k)).reshape(-1)
     table = jnp.full((n * B + 1,), R, jnp.int32).at[flat].set(token)[:-1]           # R: an empty row
     expert = jnp.full((n * B + 1,), El, jnp.int32).at[flat].set((idx % El).reshape(-1))[:-1]   # El: none
+    weight = jnp.zeros((n * B + 1,), x.dtype).at[flat].set(w.astype(x.dtype).reshape(-1))[:-1]
     a2a = functools.partial(lax.all_to_all, axis_name=axis, split_axis=0, concat_axis=0, axis_index_groups=groups)
     send = jnp.concatenate([x, jnp.zeros((1, D), x.dtype)])[table].reshape(n, B, D)   # dim0: destination
     recv = _exchange(send, a2a, fp8, False).reshape(n * B, D)                          # rows by source
     recv_expert = a2a(expert.reshape(n, B)).reshape(n * B, 1)
-    ye, _ = dispatch.routed_dropless(recv, jnp.ones((n * B, 1), x.dtype), recv_expert, gate, up, down, tile=tile)
+    recv_weight = _exchange(weight.reshape(n, B), a2a, False, False).reshape(n * B, 1)
+    ye, _ = dispatch.routed_dropless(recv, recv_weight, recv_expert, gate, up, down, tile=tile)
     back = _exchange(ye.reshape(n, B, D), a2a, False, fp8).reshape(n * B, D)
     out = jnp.concatenate([back, jnp.zeros((1, D), back.dtype)])[slot]                # [R, k, D]
-    y = jnp.einsum("tkd,tk->td", out, w.astype(x.dtype))
-    return y, (valid & ~keep).sum().astype(jnp.int32)
+    return _sum_pairs(out), (valid & ~keep).sum().astype(jnp.int32)
 
 
 def expected_nodes(experts: int, k: int, n_group: int, topk_group: int, nodes: int) -> float:
