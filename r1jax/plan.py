@@ -62,7 +62,8 @@ tokens per step = global batch / (data x fsdp x expert) x seq):
               / nodes rows, with each row's k ids and weights; its (nodes-1)/nodes over IB) and
               from each node's forwarding shards to the node's shards (f x tokens x k / shards a
               node pairs, over NVLink), or the dropless/ragged exchange's all-gather of the expert
-              group's tokens and reduce-scatter of their outputs (ep x tokens x D x dt); with
+              group's tokens and reduce-scatter of their outputs in fp32 (ep x tokens x D x
+              (dt + 4)); with
               kernels.moe_exchange_fp8 the way to the experts in FP8 (+ a fp32 scale per 128).
               A recomputed forward of the stack runs the way there only (the weights are
               applied on the experts' shards, so nothing in the backward reads the way back),
@@ -912,7 +913,7 @@ def _exchange(m: configlib.ModelConfig, g: Geometry, rows: int) -> tuple[tuple, 
     `hierarchical` its nodes' buffers of rows (with each row's k expert ids and fp32 weights)
     over the shards at its position on every node (`all_to_all_nodes`), then the forwarding
     shards' per-shard pair buffers inside the node (`all_to_all_node`); the others all-gather
-    the expert group's tokens and reduce-scatter the outputs."""
+    the expert group's tokens and reduce-scatter the outputs in fp32."""
     from r1jax.kernels.expert_parallel import FP8_BLOCK
     D, k, dt = m.hidden_size, m.num_experts_per_tok, g.dt
     there = D * dt                                                     # a row to the experts
@@ -932,8 +933,8 @@ def _exchange(m: configlib.ModelConfig, g: Geometry, rows: int) -> tuple[tuple, 
         return (("dispatch + combine across nodes", "dispatch + combine inside nodes"),
                 ("all_to_all_nodes", "all_to_all_node"),
                 (n1 * (there + k * (4 + F32)), n2 * (there + 4 + dt)), (n1 * back, n2 * back))
-    n = g.expert * rows * g.seq * D * dt
-    return ("dispatch + combine",), ("all_gather",), (n,), (n,)
+    n = g.expert * rows * g.seq * D                       # the group's tokens; their partial outputs summed in fp32
+    return ("dispatch + combine",), ("all_gather",), (n * dt,), (n * F32,)
 
 
 def compute_bound(cfg: Config, devices: int, hw: Hardware) -> dict[str, float]:

@@ -28,11 +28,14 @@ Four exchanges, chosen by `kernels.moe_dispatch`:
   with an fp32 scale per 128 channels; the returns stay in the compute dtype (DeepSeek-V3's split).
 - every other dispatch: each shard all-gathers the tokens of its expert group, runs its local
   experts on the pairs routed to them (with `gather` or `dense` when asked, as decode does; else
-  the dropless tile kernel), and a reduce-scatter returns each token's sum. Exact; moves ep x
-  the MoE input instead of k/E of it.
+  the dropless tile kernel), and a reduce-scatter returns each token's sum (in fp32). Exact;
+  moves ep x the MoE input instead of k/E of it.
 
-Expert-weight gradients stay sharded over the expert axis; shard_map's autodiff sums the
-replicated router/shared gradients over the batch axes.
+Expert-weight gradients stay sharded over the expert axis and are summed over the experts'
+copies on the other batch axes in fp32 (the weights enter the exchange marked varying there in
+fp32); every exchange sums pair outputs and the shards' partial sums in fp32. So a bf16 step has
+no bf16 all-reduce or reduce-scatter here (which XLA:CPU cannot compile either). shard_map's
+autodiff sums the replicated router/shared gradients over the batch axes.
 """
 from __future__ import annotations
 
@@ -74,7 +77,13 @@ def routed(kind: str, x_TD, w, idx, gate, up, down, *, tile: int, capacity_facto
     if kind == "hierarchical" and (nodes < 1 or ep % nodes):
         raise ValueError(f"the hierarchical exchange needs the expert axis ({ep}) split into whole nodes, not {nodes}")
 
+    replicated = tuple(a for a in token_axes if a != axis)        # the experts' copies
+
     def body(x, w, idx, gate, up, down):
+        # mark the weights as varying over their copies in fp32: the gradients are summed over
+        # the copies (the transpose of this cast) in fp32, not in the compute dtype
+        gate, up, down = (lax.pcast(a.astype(jnp.float32), replicated, to="varying").astype(a.dtype)
+                          for a in (gate, up, down))
         if kind == "capacity":
             y, dropped = _all_to_all(x, w, idx, gate, up, down, axis, ep, E, capacity_factor)
         elif kind == "alltoall":
@@ -94,12 +103,39 @@ def routed(kind: str, x_TD, w, idx, gate, up, down, *, tile: int, capacity_facto
 def _gather_scatter(kind, x, w, idx, gate, up, down, axis, ep, tile):
     El = gate.shape[0]
     lo = lax.axis_index(axis) * El
-    xs = lax.all_gather(x, axis, tiled=True)                     # [ep*Tl, D]: the expert group's tokens
+    xs = _gather_rows(x, axis)                                   # [ep*Tl, D]: the expert group's tokens
     ws, ids = lax.all_gather(w, axis, tiled=True), lax.all_gather(idx, axis, tiled=True)
     local = jnp.where((ids >= lo) & (ids < lo + El), ids - lo, El)   # El: routed to another shard
     local_kernel = dispatch.ROUTED[kind if kind in ("gather", "dense") else "dropless"]
     y, _ = local_kernel(xs, ws, local, gate, up, down, tile=tile)
-    return lax.psum_scatter(y, axis, scatter_dimension=0, tiled=True), jnp.int32(0)
+    return _sum_rows(y, axis), jnp.int32(0)
+
+
+def _scatter_sum(a, axis):
+    # in fp32: the shards' partial sums (outputs forward, input gradients backward) add up in
+    # fp32 as the other exchanges' pair sums do (and XLA:CPU cannot compile a bf16 one)
+    return lax.psum_scatter(a.astype(jnp.float32), axis, scatter_dimension=0, tiled=True).astype(a.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _gather_rows(x, axis):
+    """all_gather of the rows over `axis`; backward, their gradients summed in fp32."""
+    return lax.all_gather(x, axis, tiled=True)
+
+
+_gather_rows.defvjp(lambda x, axis: (_gather_rows(x, axis), None),
+                    lambda axis, _, g: (_scatter_sum(g, axis),))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _sum_rows(y, axis):
+    """The shards' partial rows summed in fp32 and scattered (`_scatter_sum`); backward, the
+    gradients all-gathered in the compute dtype."""
+    return _scatter_sum(y, axis)
+
+
+_sum_rows.defvjp(lambda y, axis: (_sum_rows(y, axis), None),
+                 lambda axis, _, g: (lax.all_gather(g, axis, tiled=True),))
 
 
 def _all_to_all(x, w, idx, gate, up, down, axis, ep, E, capacity_factor):

@@ -197,6 +197,25 @@ def _vary(x, axes: tuple[str, ...] = (AXIS,)):
     return jax.tree.map(one, x)
 
 
+def _cpu_sum_dtype(dt):
+    """The dtype a sum over the stages runs in: on XLA:CPU fp32 for 16-bit floats, whose
+    all-reduce promotion cannot compile them ("Invalid binary instruction opcode copy"). The
+    stage sums here add one stage's rows to zeros, exact in any dtype, so GPUs keep `dt`'s bytes."""
+    low = jnp.issubdtype(dt, jnp.floating) and jnp.finfo(dt).bits < 32
+    return jnp.float32 if low and jax.default_backend() == "cpu" else dt
+
+
+def _stage_sum(a: jax.Array) -> jax.Array:
+    """psum of `a` over the stages, marked varying over them again (its uses are per stage; the
+    mark's transpose sums the gradient over the stages), both in `_cpu_sum_dtype`."""
+    return _vary(lax.psum(a.astype(_cpu_sum_dtype(a.dtype)), AXIS)).astype(a.dtype)
+
+
+def _stage_scatter(a: jax.Array) -> jax.Array:
+    """psum_scatter of `a` over the stages (rows split), in `_cpu_sum_dtype`."""
+    return lax.psum_scatter(a.astype(_cpu_sum_dtype(a.dtype)), AXIS, scatter_dimension=0, tiled=True).astype(a.dtype)
+
+
 def _split(a: jax.Array, m: int) -> jax.Array:
     """[B, ...] -> [M, B/M, ...], microbatch i = rows i, i+M, ... (each keeps its data shard)."""
     return a.reshape(-1, m, *a.shape[1:]).swapaxes(0, 1)
@@ -234,7 +253,7 @@ def _assemble(own: jax.Array, f, M: int) -> jax.Array:
     j, l = _mb_slots(f, n, M, r)
     mask = (j == s).reshape(1, n, *[1] * (own.ndim - 2))
     mine = jnp.where(mask, jnp.take(own, l, axis=1), jnp.zeros((), own.dtype))
-    return lax.psum(mine, AXIS).reshape(S * n, *own.shape[2:])
+    return _stage_sum(mine).reshape(S * n, *own.shape[2:])
 
 
 def _give_back(own: jax.Array, v: jax.Array, f, M: int, src: int) -> jax.Array:
@@ -245,7 +264,7 @@ def _give_back(own: jax.Array, v: jax.Array, f, M: int, src: int) -> jax.Array:
     S, r = own.shape[:2]
     n = Ps * r // M
     j, l = _mb_slots(f, n, M, r)
-    full = lax.psum(jnp.where(s == src, v, jnp.zeros_like(v)), AXIS).reshape(S, n, *v.shape[1:])
+    full = _stage_sum(jnp.where(s == src, v, jnp.zeros_like(v))).reshape(S, n, *v.shape[1:])
     mask = (j == s).reshape(1, n, *[1] * (own.ndim - 2))
     return own.at[:, l].add(jnp.where(mask, full, jnp.zeros((), full.dtype)))
 
@@ -555,7 +574,7 @@ def loss_and_grads_1f1b(graphdef, params: nnx.State, rest: nnx.State, batch: dic
             (y, bal), aux = stage_w(stack, x_f, f)
             def epilogue(_):
                 # the epilogue of the last stage's output, 1/P of its rows on each stage
-                y_piece = lax.psum_scatter(jnp.where(last, y, jnp.zeros_like(y)), AXIS, scatter_dimension=0, tiled=True)
+                y_piece = _stage_scatter(jnp.where(last, y, jnp.zeros_like(y)))
                 # tied to the tick, so XLA cannot hoist the gathers out of the loop (which would
                 # keep the parts whole through every tick)
                 shares, _ = lax.optimization_barrier((other, t))
