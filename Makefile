@@ -30,11 +30,11 @@ demo: $(VENV)/.installed
 # that no worker is left running a long file alone at the end. tests/conftest.py sets which
 # files compile with XLA's backend at -O0.
 LONGEST_FIRST := tests/test_mesh.py tests/test_multiprocess.py tests/test_grpo.py tests/test_storage_faults.py \
-	tests/test_step.py tests/test_train.py tests/test_pipeline_outside.py tests/test_lora.py tests/test_slurm.py \
+	tests/test_step.py tests/test_train.py tests/test_pipeline_outside.py tests/test_lora.py tests/test_moe_alltoall.py tests/test_slurm.py \
 	tests/test_bench.py tests/test_plan.py tests/test_guard.py tests/test_zero1.py tests/test_run_records.py \
 	tests/test_checkpoint.py tests/test_generator.py tests/test_faults.py tests/test_generate.py tests/test_kd.py \
 	tests/test_generate_cli.py tests/test_attention.py tests/test_serve.py tests/test_export.py tests/test_quant.py \
-	tests/test_convert.py tests/test_mtp.py tests/test_moe_dispatch.py tests/test_moe_alltoall.py \
+	tests/test_convert.py tests/test_mtp.py tests/test_moe_dispatch.py \
 	tests/test_train_monitoring.py tests/test_parity.py tests/test_bench_memory.py tests/test_distill.py \
 	tests/test_train_parity.py tests/test_sampling.py tests/test_plain_nnx.py tests/test_bench_tables.py
 TEST_FILES := $(LONGEST_FIRST) $(filter-out $(LONGEST_FIRST),$(sort $(wildcard tests/test_*.py)))
