@@ -19,7 +19,8 @@ planned mesh sizes, by arithmetic (a 2048-device mesh is never built). What is c
   `pipeline`; everything else is sharded over `pipeline` as over fsdp (no stage holds it whole,
   r1jax/parallel/mesh.py), and a layer of it is gathered where it runs (its working set);
 - the step's temporaries (XLA's `temp`): fp32 gradients (sharded like the parameters; with
-  grad_accum > 1 the running sum plus one microbatch's), what each layer saves for its backward
+  grad_accum > 1 the running sum plus one microbatch's; unpipelined under remat full, the stacks'
+  backward adds into the sum, so of them one layer's), what each layer saves for its backward
   under `train.remat` (one stacked buffer per scanned stack; GPipe/circular keep every tick's),
   the fp32 logits of the head and the MTP heads with their gradient, and the working set of the
   layer running. `_phases` lists the live bytes at each point of the step (forward through the
@@ -599,6 +600,12 @@ def _phases(cfg: Config, mesh: dict[str, int], st: dict, g: Geometry) -> list[tu
     g_head = parts.get("lm_head_DW", 0) + parts.get("final_norm", 0) + parts.get("mtp", 0)
     g_moe = parts.get("moe_layers", 0)
     accum = grads_all if t.grad_accum > 1 else 0       # the scanned running sum of the gradients
+    # unpipelined under remat full the stacks' backward adds each layer's gradients into that sum
+    # (r1jax/model/accumulate.py): of the stacks, one layer's gradients are a microbatch's own
+    in_place = t.grad_accum > 1 and P == 1 and remat is Remat.full
+    layer_of = {k: parts.get(k, 0) // n for k, n in (("moe_layers", n_moe), ("dense_layers", n_dense)) if n}
+    g_moe_own = layer_of.get("moe_layers", 0) if in_place else g_moe
+    g_dense_own = (layer_of.get("dense_layers", 0) - parts.get("dense_layers", 0) - g_moe if in_place else 0)
 
     def ph(name, act, lg, work, grads, gathered=st["gathered"]):
         return name, {"activations": act, "logits": lg, "working": work, "gradients": accum + grads,
@@ -619,7 +626,8 @@ def _phases(cfg: Config, mesh: dict[str, int], st: dict, g: Geometry) -> list[tu
     w_dense += _weights_gathered(cfg, mesh, "embed", 1, dt, stacked=False)
     opt = ph("optimizer", 0, 0, (2 if t.grad_accum == 1 else 1) * st["largest_leaf"], grads_all, gathered=0)
     dense_phases = [ph("forward dense layers", r_dense, 0, w_dense, 0)]
-    dense_bwd = ph("backward dense layers", r_dense, 0, w_dense + bwd_dense, grads_all - parts.get("embed", 0))
+    dense_bwd = ph("backward dense layers", r_dense, 0, w_dense + bwd_dense,
+                   grads_all - parts.get("embed", 0) + g_dense_own)
 
     if P > 1 and n_moe and cfg.pipeline.schedule is Schedule.onefoneb:
         # the lock-step 1F1B (pipeline.loss_and_grads_1f1b), pipeline and data manual: every tick
@@ -693,7 +701,7 @@ def _phases(cfg: Config, mesh: dict[str, int], st: dict, g: Geometry) -> list[tu
         ph("forward MTP", before + ep["fwd_saved"], ep["logits"], ep["fwd_work"], 0),
         ph("loss", before + ep["saved"], ep["all_logits"], 2 * ep["logits"] + w_head, 0),
         ph("backward MTP and head", before + ep["saved"], ep["logits"], ep["bwd_work"] + w_head, g_head),
-        ph("backward MoE layers", before, 0, w_moe + bwd_moe, g_head + g_moe),
+        ph("backward MoE layers", before, 0, w_moe + bwd_moe, g_head + g_moe_own),
         dense_bwd,
         opt,
     ]

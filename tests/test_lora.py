@@ -263,7 +263,7 @@ LORA_DROPOUT = ["lora.rank=4", "lora.targets=[q_a_proj,q_b_proj,kv_a_proj_with_m
 def test_dropout_trains_reproducibly_and_equals_one_device_on_a_3d_mesh():
     """lora.dropout=0.2: a row's masks come from train.seed, the step and the row's number in the
     step's batch, so two runs agree exactly, and 8 fake devices on (data 2, fsdp 2, tensor 2)
-    with grad_accum 2, and the MoE stack pipelined over 2 stages (GPipe on data 4, 1F1B on data 2 x
+    with grad_accum 2 under remat full, and the MoE stack pipelined over 2 stages (GPipe on data 4, 1F1B on data 2 x
     tensor 2, each stage drawing its layers' masks) all give 1 device's steps; the run differs
     from one without dropout once the adapters are non-zero (after step 1)."""
     cfg = configlib.load(TINY, LORA_DROPOUT)
@@ -273,7 +273,8 @@ def test_dropout_trains_reproducibly_and_equals_one_device_on_a_3d_mesh():
     pipe = [*drop, "mesh.pipeline=2", "train.microbatches=2"]
     for name, extra, devs in (("off", ["lora.dropout=0", "mesh.data=1"], 1), ("one", [*drop, "mesh.data=1"], 1),
                               ("again", [*drop, "mesh.data=1"], 1),
-                              ("3d", [*drop, "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "train.grad_accum=2"], 8),
+                              ("3d", [*drop, "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "train.grad_accum=2",
+                                      "train.remat=full"], 8),
                               ("gpipe", [*pipe, "mesh.data=4"], 8),
                               ("1f1b", [*pipe, "mesh.data=2", "mesh.tensor=2", "pipeline.schedule=1f1b"], 8)):
         _, _, state, _, losses = train_tiny(LORA_DROPOUT + extra, jax.devices()[:devs], 3, model)

@@ -71,7 +71,9 @@ MESHES = {
     # and the head (vocab over tensor), MTP block and loss on a quarter of a device's rows at a time
     "data2_tensor4_flash": ["mesh.data=2", "mesh.tensor=4", "kernels.attention=flash", "kernels.attention_block=16",
                             "train.epilogue_chunks=4"],
-    "data2_fsdp2_tensor2_accum2_masked": ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "train.grad_accum=2", *MASKED],
+    # (remat full: the stacks' backward adds into the running gradient sum, model/accumulate.py)
+    "data2_fsdp2_tensor2_accum2_masked": ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "train.grad_accum=2",
+                                          "train.remat=full", *MASKED],
     "expert4_data2": ["mesh.data=2", "mesh.expert=4"],                        # dropless: gather/scatter
     "expert4_data2_capacity": ["mesh.data=2", "mesh.expert=4", "kernels.moe_dispatch=capacity",
                                "kernels.capacity_factor=4.0"],                # all_to_all, cap = T_local

@@ -72,6 +72,12 @@ def active() -> tuple[jax.Array, float] | None:
     return None if ctx is None else ctx[:2]
 
 
+def context() -> tuple[jax.Array, float, jax.Array | None] | None:
+    """(key, rate, rows) of the dropout the forward being traced runs under, or None: what
+    `dropout(*context())` opens again for a backward traced after the forward's `with` closed."""
+    return _DROPOUT.get()
+
+
 @contextlib.contextmanager
 def rows(numbers: jax.Array | None) -> Iterator[None]:
     """The batch rows (their numbers in the step's batch) the forwards inside run on: a pipeline's

@@ -22,6 +22,7 @@ from flax import nnx
 
 from r1jax.config import KernelConfig, LoraConfig, ModelConfig, Remat
 from r1jax.logical import constrain
+from r1jax.model import accumulate
 from r1jax.model import lora as loralib
 from r1jax.model import rope
 from r1jax.model.layers import F32, MLP, dense, Embed, RMSNorm, cast, normal_param
@@ -91,13 +92,27 @@ def _checkpointed(fn, remat: Remat):
 MOE_STACK = 1       # the MoE stack's number for LoRA dropout's per-layer keys (the dense prefix is 0)
 
 
-def scan_blocks(graphdef, state, x, cos, sin, segment_ids, remat: Remat, valid=None, replay=None, keys=None):
+def scan_blocks(graphdef, state, x, cos, sin, segment_ids, remat: Remat, valid=None, replay=None, keys=None,
+                stack: int | None = None):
     """Blocks with stacked parameters `state` [n, ...] applied in order under `lax.scan`.
 
     `valid` [n] bool marks real layers; a padding slot (False) passes its input through and
     reports zero load, drops and balance loss, so its (zero) parameters get exactly zero gradient.
     `replay` [n, B, T, k]: each layer's expert ids to replay (`moe.route`). `keys` [n]: each
-    layer's LoRA dropout key (`lora.layer_keys`)."""
+    layer's LoRA dropout key (`lora.layer_keys`). `stack` (the model's stack number): under
+    remat full, a running gradient sum for it in an open `accumulate.into` is added to in place
+    by the stack's backward (r1jax/model/accumulate.py)."""
+    if stack is not None and remat is Remat.full and valid is None and accumulate.running(stack):
+        template = list(nnx.to_flat_state(state))
+
+        def layer(flat, h, xs_i):
+            rep, key = xs_i
+            st = nnx.from_flat_state([(p, v.replace(flat[p])) for p, v in template])
+            with loralib.layer_key(key):
+                return nnx.merge(graphdef, st)(h, cos, sin, segment_ids, replay=rep)
+
+        return accumulate.scan(layer, {p: v.get_value() for p, v in template}, x, (replay, keys), stack)
+
     def body(carry, xs):
         layer_state, ok, rep, key = xs
         with loralib.layer_key(key):
@@ -150,7 +165,7 @@ class Stack(nnx.Module):
         graphdef, state = nnx.split(self.layers)
         if kv is None:
             keys = loralib.layer_keys(jax.tree.leaves(state)[0].shape[0], stack)
-            return scan_blocks(graphdef, state, x, cos, sin, segment_ids, remat, replay=replay, keys=keys)
+            return scan_blocks(graphdef, state, x, cos, sin, segment_ids, remat, replay=replay, keys=keys, stack=stack)
         if layers is None:
             return scan_blocks_kv(graphdef, state, x, cos, sin, segment_ids, kv, name)
         auxes = []

@@ -3,7 +3,8 @@ and the eval step beside it. State is r1jax/train/state.py's pytree; the model's
 split once outside and merged inside, so both steps are pure functions.
 
 One step: the global batch is split into `train.grad_accum` microbatches (rows a, a+A, ... so
-each keeps its data sharding), scanned with gradients summed in fp32; within each, the trunk
+each keeps its data sharding), scanned with gradients summed in fp32 (unpipelined under remat
+full the stacks' backward adds into the running sum itself: `into_sums`); within each, the trunk
 (prologue and MoE stack, pipelined when the run is) and then the epilogue (final norm, head,
 MTP) and the objective in `train.epilogue_chunks` checkpointed row chunks. The loss is the
 objective's (r1jax/train/objectives.py) summed loss over the whole batch's `objective.tokens`,
@@ -41,9 +42,11 @@ from jax.sharding import Mesh
 
 from r1jax import logical, weights
 from r1jax.model import COMPUTE_DTYPES
+from r1jax.model import accumulate
 from r1jax.model import lora as loralib
 from r1jax.model.layers import tap
-from r1jax.config import Config, DType, Schedule
+from r1jax.model.transformer import MOE_STACK
+from r1jax.config import Config, DType, Remat, Schedule
 from r1jax.parallel import mesh as meshlib
 from r1jax.parallel import pipeline
 from r1jax.train import objectives, optim
@@ -55,6 +58,8 @@ EPILOGUE = ("final_norm", "lm_head_DW", "mtp", "embed")     # Transformer.epilog
 # read in fp32 by the model: the router (expert choice in fp32) and the embedding (its gradient is a
 # scatter-add over every token, which a bf16 table would sum in bf16)
 FP32_LEAVES = ("router_DE", "embedding_WD")
+# the scanned stacks by their numbers in the model (`Transformer`: the dense prefix 0, the MoE stack 1)
+STACKS = {"dense_layers": 0, "moe_layers": MOE_STACK}
 AUX = ("load", "dropped", "balance", "mtp_load", "mtp_dropped", "mtp_balance")   # summed over rows
 
 
@@ -229,6 +234,37 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, cfg: Config, mes
     else:
         grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
+    def into_sums(params, rest, mb, tokens, scale, key, sums, *, rows):
+        """One microbatch's ((loss * scale, stats), sums + its gradients) with the stacks'
+        gradients added into `sums` by their backward (r1jax/model/accumulate.py): the parts
+        outside the stacks get theirs through fp32 zeros tapped into them (`layers.tap`)."""
+        flat = list(nnx.to_flat_state(params))
+        have = dict(nnx.to_flat_state(sums))
+        outside = {p: jnp.zeros(v.shape, jnp.float32) for p, v in flat if p[0] not in STACKS}
+        stack_sums = {}
+        for p, v in have.items():
+            if p[0] in STACKS:
+                stack_sums.setdefault(STACKS[p[0]], {})[p[2:]] = v.get_value()
+
+        def f(z_out, stack_sums):
+            z = nnx.from_flat_state([(p, v.replace(z_out[p] if p in z_out else jnp.zeros(v.shape, jnp.float32)))
+                                     for p, v in flat])
+            used = nnx.from_flat_state([(p, v.replace(jax.lax.stop_gradient(v.get_value()))) if p[0] in STACKS
+                                        else (p, v.replace(tap(v.get_value(), z_out[p]))) for p, v in flat])
+            with accumulate.into(stack_sums) as box:
+                loss, stats = micro_loss(used, rest, mb, tokens, scale, key, rows=rows, taps=z)
+            return (loss, box.out), stats
+
+        (loss, _), back, stats = jax.vjp(f, outside, stack_sums, has_aux=True)
+        g_out, g_stacks = back((jnp.ones_like(loss), stack_sums))
+        new = [(p, v.replace(g_stacks[STACKS[p[0]]][p[2:]] if p[0] in STACKS else v.get_value() + g_out[p]))
+               for p, v in have.items()]
+        return (loss, stats), nnx.from_flat_state(new)
+
+    # the running gradient sum added to in place by the stacks' backward (one fp32 buffer), where
+    # the stacks run unpipelined under remat full
+    in_place = accum > 1 and layout is None and t.remat is Remat.full
+
     def train_step(state: State, batch: dict[str, jax.Array]):
         scale = state["loss_scale"]["scale"]
         rows = batch["ids"].shape[0]
@@ -246,6 +282,9 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, cfg: Config, mes
             micro = jax.tree.map(lambda x: x.reshape(-1, accum, *x.shape[1:]).swapaxes(0, 1), batch)
 
             def body(carry, mb):
+                if in_place:
+                    out, g = into_sums(model_params, state["rest"], mb, tokens, scale, key, carry[1], rows=rows)
+                    return (jax.tree.map(jnp.add, carry[0], out), jax.lax.with_sharding_constraint(g, msh)), None
                 out, g = grads_of(model_params, state["rest"], mb, tokens, scale, key)   # masks: by mb["row"]
                 g = jax.lax.with_sharding_constraint(g, msh)
                 return jax.tree.map(jnp.add, carry, (out, g)), None

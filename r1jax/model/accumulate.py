@@ -1,0 +1,132 @@
+"""Gradient accumulation into one fp32 buffer through the scanned stacks (`train.grad_accum`).
+
+The step keeps a running fp32 sum of the gradients over its microbatches. Autodiff of a scanned
+stack would first write a microbatch's weight gradients into a fresh [layers, ...] buffer (JAX's
+scan transpose emits them as the loop's outputs, and starts a loop constant's gradient sum from
+zeros), and only then add it to the sum: two fp32 copies of the stack's gradients at the end of
+every microbatch's backward. Here the stack's backward is written out instead: it walks the
+layers in reverse with the running sum in its carry, recomputes each layer from its saved input
+(what `remat: full` saves and recomputes anyway) and adds that layer's weight gradients into
+the sum's slice in place. Besides the sum, one layer's gradients are live at a time.
+
+The train step (r1jax/train/step.py) opens `into(sums)` around one microbatch's forward: a stack
+whose number (`Stack.__call__`'s `stack`) has a sum there runs `scan`, which hands the sum on as
+an output (`Sums.out`); the step seeds that output's cotangent with the sum itself, so the
+gradient that comes back for it is the sum plus this microbatch's gradients.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+from typing import Any, Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+
+from r1jax.model import lora as loralib
+
+
+class Sums:
+    """A microbatch's running sums by stack number ({path in the stack: fp32 [n, ...]}), and the
+    sums each stack handed on (`out`)."""
+
+    def __init__(self, sums: dict[int, dict[tuple, jax.Array]]):
+        self.sums, self.out = sums, {}
+
+
+_SUMS: contextvars.ContextVar[Sums | None] = contextvars.ContextVar("r1jax_accumulate", default=None)
+
+
+@contextlib.contextmanager
+def into(sums: dict[int, dict[tuple, jax.Array]]) -> Iterator[Sums]:
+    token = _SUMS.set(Sums(sums))
+    try:
+        yield _SUMS.get()
+    finally:
+        _SUMS.reset(token)
+
+
+def running(stack: int) -> Sums | None:
+    """The open `into`, when it holds a sum for stack number `stack`."""
+    box = _SUMS.get()
+    return box if box is not None and stack in box.sums else None
+
+
+def scan(layer: Callable, flat: dict[tuple, jax.Array], x: jax.Array, xs: Any, stack: int):
+    """The stack's forward (x, aux stacked over layers) like `transformer.scan_blocks` under
+    remat full, with the gradients of the leaves of `flat` ({path: [n, ...]}, the stack's state)
+    that have a sum in the open `into` added to it. `layer(flat_layer, h, xs_i) -> (y, aux)`
+    runs one layer from its flat state; `xs` (integer or otherwise constant per-layer inputs)
+    gets no gradient, nor do the leaves without a sum. Of aux only `balance` (the MoE balance
+    loss) carries a gradient."""
+    box = _SUMS.get()
+    sums = box.sums[stack]
+    live = {k: v for k, v in flat.items() if k in sums}
+    const = {k: v for k, v in flat.items() if k not in sums}
+    # LoRA dropout's context is read again when the backward is traced, after the forward's
+    # `with` has closed: its arrays travel with the inputs
+    ctx = loralib.context()
+    x, aux, box.out[stack] = _stack(layer, None if ctx is None else ctx[1], live, const, x, xs, sums,
+                                    None if ctx is None else (ctx[0], ctx[2]))
+    return x, aux
+
+
+@contextlib.contextmanager
+def _dropout(ctx, rate):
+    if ctx is None:
+        yield
+        return
+    with loralib.dropout(ctx[0], rate, ctx[1]):
+        yield
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _stack(layer, rate, live, const, x, xs, sums, ctx):
+    return _forward(layer, rate, live, const, x, xs, ctx)[:2] + (sums,)
+
+
+def _forward(layer, rate, live, const, x, xs, ctx):
+    def body(h, inp):
+        with _dropout(ctx, rate):
+            y, aux = layer({**inp[1], **inp[0]}, h, inp[2])
+        return y, (h, aux)
+
+    y, (hs, aux) = jax.lax.scan(body, x, (live, const, xs))
+    return y, aux, hs
+
+
+def _stack_fwd(layer, rate, live, const, x, xs, sums, ctx):
+    y, aux, hs = _forward(layer, rate, live, const, x, xs, ctx)
+    return (y, aux, sums), (live, const, xs, hs, ctx)
+
+
+def _stack_bwd(layer, rate, res, cts):
+    live, const, xs, hs, ctx = res
+    ct_y, ct_aux, ct_sums = cts
+    n = hs.shape[0]
+
+    def body(carry, inp):
+        ct_h, acc = carry
+        i, lv, cv, xi, h, ct_bal = inp
+
+        def one(w, hh):
+            with _dropout(ctx, rate):
+                y, aux = layer({**cv, **w}, hh, xi)
+            return (y, aux["balance"] if "balance" in aux else jnp.float32(0)), None
+
+        # (a compute-dtype copy's gradient, summed over its uses inside the layer in that dtype as
+        # a tapped one's is, `layers.tap`, joins the fp32 sum here)
+        _, back, _ = jax.vjp(one, lv, h, has_aux=True)
+        g, ct_in = back((ct_h, ct_bal))
+        acc = {k: jax.lax.dynamic_update_index_in_dim(
+                   a, jax.lax.dynamic_index_in_dim(a, i, 0, False) + g[k].astype(a.dtype), i, 0)
+               for k, a in acc.items()}
+        return (ct_in, acc), None
+
+    ct_bal = ct_aux["balance"] if "balance" in ct_aux else jnp.zeros((n,), jnp.float32)
+    (ct_x, acc), _ = jax.lax.scan(body, (ct_y, ct_sums), (jnp.arange(n), live, const, xs, hs, ct_bal), reverse=True)
+    return None, None, ct_x, None, acc, None
+
+
+_stack.defvjp(_stack_fwd, _stack_bwd)
