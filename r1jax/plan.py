@@ -385,11 +385,11 @@ def _scores(m: configlib.ModelConfig, g: Geometry, rows: int, phase: str) -> int
 def _routed_rows(m: configlib.ModelConfig, g: Geometry, rows: int, local_sort: bool) -> tuple[int, int, int]:
     """(buffer rows, their hidden width, token-expert pairs) of one MoE layer's routed dispatch.
 
-    Without expert parallelism the sort runs over the whole (pipeline) microbatch, replicated on
-    every batch shard (XLA gathers the tokens), and the buffers' hidden dimension inherits the
-    weights' fsdp sharding; with it, each device gathers the tokens of its expert group
-    (r1jax/kernels/expert_parallel.py) and holds E/expert experts. `local_sort`: the batch axes are
-    manual (1F1B), so only this device's tokens."""
+    Without expert parallelism each batch shard sorts its own tokens (`expert_parallel.local`),
+    every expert whole, but for `capacity`, whose sort runs over the whole (pipeline) microbatch,
+    replicated on every batch shard (XLA gathers the tokens); with it, each device gathers the
+    tokens of its expert group (r1jax/kernels/expert_parallel.py) and holds E/expert experts.
+    `local_sort`: the batch axes are manual (1F1B), so only this device's tokens."""
     k, E = m.num_experts_per_tok, m.n_routed_experts
     if g.expert > 1 and g.dispatch == "capacity":    # all_to_all: C slots per expert from each source
         cap = max(1, math.ceil(g.capacity_factor * rows * g.seq * k / E))
@@ -406,10 +406,10 @@ def _routed_rows(m: configlib.ModelConfig, g: Geometry, rows: int, local_sort: b
         return n, m.hidden_size, rows * g.seq * k
     if g.expert > 1:
         tokens, experts, width = rows * g.seq * g.expert, E // g.expert, m.hidden_size
-    elif local_sort:
+    elif local_sort or g.dispatch != "capacity":
         tokens, experts, width = rows * g.seq, E, m.hidden_size
     else:
-        tokens, experts, width = rows * g.seq * g.batch_shards, E, -(-m.hidden_size // g.fsdp)
+        tokens, experts, width = rows * g.seq * g.batch_shards, E, m.hidden_size
     pairs = tokens * k
     if g.dispatch == "capacity":
         n = experts * max(1, math.ceil(g.capacity_factor * tokens * k / E))
@@ -682,8 +682,9 @@ def _phases(cfg: Config, mesh: dict[str, int], st: dict, g: Geometry) -> list[tu
         bwd_moe = layer_backward(m, g, True, rs) - layer_working(m, g, True, rs) if remat is not Remat.none else 0
         bwd_moe += layout.chunk * per_layer if cfg.pipeline.stage_remat else 0
 
-    # outside the stages the batch is split over pipeline as well: the MTP's routed sort (without
-    # expert parallelism) still gathers the whole batch, pipeline shards included
+    # outside the stages the batch is split over pipeline as well (the MTP's routed sort, without
+    # expert parallelism, runs on each shard's own tokens, but `capacity`'s gathers the whole
+    # batch, pipeline shards included)
     # (epilogue chunks: each chunk's forward keeps nothing, its backward recomputes it, so every
     # epilogue phase below is one chunk's)
     outer = dataclasses.replace(g, batch_shards=g.batch_shards * g.pipeline)

@@ -31,6 +31,8 @@ Four exchanges, chosen by `kernels.moe_dispatch`:
   the dropless tile kernel), and a reduce-scatter returns each token's sum (in fp32). Exact;
   moves ep x the MoE input instead of k/E of it.
 
+Without expert parallelism (`local`) each batch shard runs the dispatch on its own tokens.
+
 Expert-weight gradients stay sharded over the expert axis and are summed over the experts'
 copies on the other batch axes in fp32 (the weights enter the exchange marked varying there in
 fp32); every exchange sums pair outputs and the shards' partial sums in fp32. So a bf16 step has
@@ -61,6 +63,33 @@ def expert_axis() -> tuple[str | None, int]:
     return axes[0], jax.sharding.get_abstract_mesh().shape[axes[0]]
 
 
+def _copies(axes: tuple[str, ...], *weights):
+    """The experts' weights marked varying over `axes` (their copies) in fp32: their gradients are
+    summed over the copies (the transpose of this cast) in fp32, not in the compute dtype."""
+    return tuple(lax.pcast(a.astype(jnp.float32), axes, to="varying").astype(a.dtype) for a in weights)
+
+
+def local(kind: str, x_TD, w, idx, gate, up, down, **opts):
+    """Routed-expert output [T, D] and dropped pairs without expert parallelism: each batch shard
+    runs the dispatch on its own tokens (a shard_map over the batch axes), every expert whole on
+    every shard. Left to GSPMD, the dispatch's sort over all tokens gathers the whole batch onto
+    every shard, and each shard runs every pair of the batch. `capacity` stays global (its
+    capacity is per expert over the whole batch, which a shard's tokens alone would change), as
+    does a batch the shards do not divide."""
+    token_axes = logical.mesh_axes("batch")
+    shards = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in token_axes)
+    if kind == "capacity" or shards == 1 or x_TD.shape[0] % shards:
+        return dispatch.ROUTED[kind](x_TD, w, idx, gate, up, down, **opts)
+
+    def body(x, w, idx, gate, up, down):
+        y, dropped = dispatch.ROUTED[kind](x, w, idx, *_copies(token_axes, gate, up, down), **opts)
+        return y, lax.psum(dropped, token_axes)
+
+    tok = P(token_axes)
+    return jax.shard_map(body, mesh=jax.sharding.get_abstract_mesh(), in_specs=(tok, tok, tok, P(), P(), P()),
+                         out_specs=(tok, P()), axis_names=set(token_axes))(x_TD, w, idx, gate, up, down)
+
+
 def routed(kind: str, x_TD, w, idx, gate, up, down, *, tile: int, capacity_factor: float,
            buffer_factor: float = 0.0, nodes: int = 1, nodes_per_token: float = 1.0, fp8: bool = False):
     """Routed-expert output [T, D] and the global count of dropped pairs, experts sharded.
@@ -80,10 +109,7 @@ def routed(kind: str, x_TD, w, idx, gate, up, down, *, tile: int, capacity_facto
     replicated = tuple(a for a in token_axes if a != axis)        # the experts' copies
 
     def body(x, w, idx, gate, up, down):
-        # mark the weights as varying over their copies in fp32: the gradients are summed over
-        # the copies (the transpose of this cast) in fp32, not in the compute dtype
-        gate, up, down = (lax.pcast(a.astype(jnp.float32), replicated, to="varying").astype(a.dtype)
-                          for a in (gate, up, down))
+        gate, up, down = _copies(replicated, gate, up, down)
         if kind == "capacity":
             y, dropped = _all_to_all(x, w, idx, gate, up, down, axis, ep, E, capacity_factor)
         elif kind == "alltoall":

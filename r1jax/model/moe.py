@@ -122,8 +122,10 @@ class MoE(nnx.Module):
                 nodes_per_token=expert_parallel.expected_nodes(cfg.n_routed_experts, cfg.num_experts_per_tok,
                                                                cfg.n_group, cfg.topk_group, nodes),
                 fp8=kn.moe_exchange_fp8, **opts)
-        else:
+        elif isinstance(experts[0], tuple):          # the generator's per-expert arrays (`grouped`)
             y, dropped = dispatch.ROUTED[kind](x_TD, w, idx, *experts, **opts)
+        else:
+            y, dropped = expert_parallel.local(kind, x_TD, w, idx, *experts, **opts)
         y = checkpoint_name(constrain(y.reshape(B, T, D), "batch", "seq", "act_embed"), "moe_routed")
         if self.shared is not None:
             y = y + self.shared(x_BTD)
