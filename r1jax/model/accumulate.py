@@ -64,21 +64,11 @@ def scan(layer: Callable, flat: dict[tuple, jax.Array], x: jax.Array, xs: Any, s
     sums = box.sums[stack]
     live = {k: v for k, v in flat.items() if k in sums}
     const = {k: v for k, v in flat.items() if k not in sums}
-    # LoRA dropout's context is read again when the backward is traced, after the forward's
-    # `with` has closed: its arrays travel with the inputs
-    ctx = loralib.context()
-    x, aux, box.out[stack] = _stack(layer, None if ctx is None else ctx[1], live, const, x, xs, sums,
-                                    None if ctx is None else (ctx[0], ctx[2]))
+    # LoRA dropout's context is opened again when the backward is traced, after the forward's
+    # `with` has closed: its arrays travel with the inputs (key None: no dropout)
+    key, rate, rows = loralib.context() or (None, 0.0, None)
+    x, aux, box.out[stack] = _stack(layer, rate, live, const, x, xs, sums, (key, rows))
     return x, aux
-
-
-@contextlib.contextmanager
-def _dropout(ctx, rate):
-    if ctx is None:
-        yield
-        return
-    with loralib.dropout(ctx[0], rate, ctx[1]):
-        yield
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -88,7 +78,7 @@ def _stack(layer, rate, live, const, x, xs, sums, ctx):
 
 def _forward(layer, rate, live, const, x, xs, ctx):
     def body(h, inp):
-        with _dropout(ctx, rate):
+        with loralib.dropout(ctx[0], rate, ctx[1]):
             y, aux = layer({**inp[1], **inp[0]}, h, inp[2])
         return y, (h, aux)
 
@@ -111,7 +101,7 @@ def _stack_bwd(layer, rate, res, cts):
         i, lv, cv, xi, h, ct_bal = inp
 
         def one(w, hh):
-            with _dropout(ctx, rate):
+            with loralib.dropout(ctx[0], rate, ctx[1]):
                 y, aux = layer({**cv, **w}, hh, xi)
             return (y, aux["balance"] if "balance" in aux else jnp.float32(0)), None
 
