@@ -19,8 +19,9 @@ planned mesh sizes, by arithmetic (a 2048-device mesh is never built). What is c
   `pipeline`; everything else is sharded over `pipeline` as over fsdp (no stage holds it whole,
   r1jax/parallel/mesh.py), and a layer of it is gathered where it runs (its working set);
 - the step's temporaries (XLA's `temp`): fp32 gradients (sharded like the parameters; with
-  grad_accum > 1 the running sum plus one microbatch's; unpipelined under remat full, the stacks'
-  backward adds into the sum, so of them one layer's), what each layer saves for its backward
+  grad_accum > 1 the running sum plus one microbatch's; where a stack's backward adds into the sum,
+  unpipelined under remat full and the MoE stack under GPipe and circular, of it one layer's; 1F1B's
+  tick loop sums into it), what each layer saves for its backward
   under `train.remat` (one stacked buffer per scanned stack; GPipe/circular keep every tick's),
   the fp32 logits of the head and the MTP heads with their gradient, and the working set of the
   layer running. `_phases` lists the live bytes at each point of the step (forward through the
@@ -600,12 +601,18 @@ def _phases(cfg: Config, mesh: dict[str, int], st: dict, g: Geometry) -> list[tu
     g_head = parts.get("lm_head_DW", 0) + parts.get("final_norm", 0) + parts.get("mtp", 0)
     g_moe = parts.get("moe_layers", 0)
     accum = grads_all if t.grad_accum > 1 else 0       # the scanned running sum of the gradients
-    # unpipelined under remat full the stacks' backward adds each layer's gradients into that sum
-    # (r1jax/model/accumulate.py): of the stacks, one layer's gradients are a microbatch's own
-    in_place = t.grad_accum > 1 and P == 1 and remat is Remat.full
-    layer_of = {k: parts.get(k, 0) // n for k, n in (("moe_layers", n_moe), ("dense_layers", n_dense)) if n}
-    g_moe_own = layer_of.get("moe_layers", 0) if in_place else g_moe
-    g_dense_own = (layer_of.get("dense_layers", 0) - parts.get("dense_layers", 0) - g_moe if in_place else 0)
+    # a stack's backward adds its gradients into that sum, so that of them one layer's are a
+    # microbatch's own: unpipelined under remat full (r1jax/model/accumulate.py), and the MoE
+    # stack's under GPipe and circular, whose ticks carry the sum (pipeline.trunk); 1F1B's tick
+    # loop starts its sums from it (below)
+    onefoneb = P > 1 and cfg.pipeline.schedule is Schedule.onefoneb
+    dense_in = t.grad_accum > 1 and remat is Remat.full and not onefoneb
+    moe_in = t.grad_accum > 1 and (remat is Remat.full or P > 1) and not onefoneb
+    slots = _layout(cfg, mesh).slots // P if P > 1 and n_moe else n_moe
+    layer_of = {k: parts.get(k, 0) // n for k, n in (("moe_layers", slots), ("dense_layers", n_dense)) if n}
+    g_moe_own = layer_of.get("moe_layers", 0) if moe_in else g_moe
+    g_dense_own = ((layer_of.get("dense_layers", 0) - parts.get("dense_layers", 0) if dense_in else 0)
+                   - (g_moe if moe_in else 0))
 
     def ph(name, act, lg, work, grads, gathered=st["gathered"]):
         return name, {"activations": act, "logits": lg, "working": work, "gradients": accum + grads,
@@ -626,8 +633,11 @@ def _phases(cfg: Config, mesh: dict[str, int], st: dict, g: Geometry) -> list[tu
     w_dense += _weights_gathered(cfg, mesh, "embed", 1, dt, stacked=False)
     opt = ph("optimizer", 0, 0, (2 if t.grad_accum == 1 else 1) * st["largest_leaf"], grads_all, gathered=0)
     dense_phases = [ph("forward dense layers", r_dense, 0, w_dense, 0)]
-    dense_bwd = ph("backward dense layers", r_dense, 0, w_dense + bwd_dense,
-                   grads_all - parts.get("embed", 0) + g_dense_own)
+    # (1F1B with grad_accum: the tick loop's sums are the running sum, and the prologue's
+    # gradients are added to it after)
+    own_dense = (parts.get("dense_layers", 0) + parts.get("embed", 0) if onefoneb and t.grad_accum > 1
+                 else grads_all - parts.get("embed", 0) + g_dense_own)
+    dense_bwd = ph("backward dense layers", r_dense, 0, w_dense + bwd_dense, own_dense)
 
     if P > 1 and n_moe and cfg.pipeline.schedule is Schedule.onefoneb:
         # the lock-step 1F1B (pipeline.loss_and_grads_1f1b), pipeline and data manual: every tick
@@ -645,7 +655,7 @@ def _phases(cfg: Config, mesh: dict[str, int], st: dict, g: Geometry) -> list[tu
         _, ring = ticks_1f1b(P, t.microbatches)
         xs = rs * T * m.hidden_size * dt
         outside = sum(n for k, n in parts.items() if k != "moe_layers")
-        carry = (ring + t.microbatches // P + 4) * xs + g_moe + outside
+        carry = (ring + t.microbatches // P + 4) * xs + (0 if t.grad_accum > 1 else g_moe + outside)
         depth = m.num_nextn_predict_layers
         gathered = w_head + depth * _weights_gathered(cfg, mesh, "mtp/0/", 1, dt, stacked=False) + (
             _weights_gathered(cfg, mesh, "embed", 1, F32, stacked=False) if depth else 0)

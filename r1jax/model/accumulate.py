@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from r1jax.model import lora as loralib
 
@@ -120,3 +121,27 @@ def _stack_bwd(layer, rate, res, cts):
 
 
 _stack.defvjp(_stack_fwd, _stack_bwd)
+
+
+def routed(state, sums: dict[tuple, jax.Array]):
+    """`state` (an nnx.State) with the gradient of each leaf that has a sum in `sums` ({path in
+    the state: array}) handed to that sum instead, cast to its dtype (`_route`). A loop that
+    carries the sums (the pipeline's ticks, r1jax/parallel/pipeline.py) then adds every tick's
+    gradients into them in place: the transposed loop's carry starts from the sums' cotangent,
+    which the step seeds with the running sum, where a loop constant's gradient starts from
+    zeros. The values are `state`'s: the forward never reads a sum."""
+    return nnx.from_flat_state([(p, v.replace(_route(v.get_value(), sums[p])) if p in sums else v)
+                                for p, v in nnx.to_flat_state(state)])
+
+
+@jax.custom_jvp
+def _route(w, s):
+    return w
+
+
+@_route.defjvp
+def _route_jvp(primals, tangents):
+    # the primal out is `w` itself; the tangent is the sum's alone (linear), so the transpose
+    # hands `w`'s cotangent to the sum, in the sum's dtype
+    w, s = primals
+    return w, tangents[1].astype(w.dtype)

@@ -41,6 +41,11 @@ stay GSPMD inside each stage):
   M+2P-2 ticks of one forward and one backward.
 Bubble fraction (P-1)/(M*R+P-1) for gpipe and circular (R=1 except circular), (2P-2)/(M+2P-2)
 for 1f1b: `bubble()`.
+
+Under `train.grad_accum` the ticks add the stack's gradients into the step's running fp32 sum,
+not into a buffer of their own: gpipe and circular carry the sum through the tick loop, whose
+transpose then starts its gradient carry from the sum the step seeds (`accumulate.routed`);
+1f1b starts its tick loop's gradient sums from it.
 """
 from __future__ import annotations
 
@@ -57,6 +62,7 @@ from jax.sharding import PartitionSpec as P
 
 from r1jax import logical
 from r1jax.config import Config, Schedule
+from r1jax.model import accumulate
 from r1jax.model import lora as loralib
 from r1jax.model import rope
 from r1jax.model.layers import tap
@@ -328,16 +334,23 @@ def trunk(model, batch: dict, *, layout: Layout, microbatches: int, stage_remat:
     x, positions, segment_ids = model.prologue(input_ids, batch["positions"], batch["segment_ids"])
     x = logical.constrain(x, "batch", "seq", "act_embed")     # each stage its own rows, gathered entering the stages
     graphdef, state, valid = _stack_parts(model, layout)
-    zs = None
-    if taps is not None:
+    # grad_accum: the step's running sum of the stack's gradients, which the ticks add into in
+    # place (their carry, `accumulate.routed`: in fp32, so no taps) and hand on (`Sums.out`)
+    running = accumulate.running(MOE_STACK)
+    sums = zs = None
+    if running is not None:
+        sums = running.sums[MOE_STACK]
+    elif taps is not None:
         zs, state = _stack_parts(taps, layout)[1], jax.lax.stop_gradient(state)
     stage = _stage_fn(model, graphdef)
 
-    def stage_at(w, zw, valid, r, x, pos, seg, keys, rows):
+    def stage_at(w, zw, sw, valid, r, x, pos, seg, keys, rows):
         # repeat r's weights are picked inside: under stage_remat the tick then keeps the whole
         # (loop-invariant) stack once, not a copy of its repeat's slice every tick
         pick = functools.partial(jax.tree.map, lambda a: a[r])
         w = pick(w) if zw is None else tap(pick(w), pick(zw))
+        if sw is not None:
+            w = accumulate.routed(w, pick(sw))
         return stage(w, valid[r], x, pos, seg, None if keys is None else keys[r], rows)
 
     # (prevent_cse is for checkpoints outside a loop; inside the tick scan it only costs)
@@ -348,11 +361,11 @@ def trunk(model, batch: dict, *, layout: Layout, microbatches: int, stage_remat:
     base, slot_keys = _dropout_inputs(layout)
     rowm = _split(batch["row"], M) if base is not None else None
 
-    def per_device(w, zw, valid, xs, posm, segm, base, keys, rowm):
+    def per_device(w, zw, sw, valid, xs, posm, segm, base, keys, rowm):
         with _dropout_scope(base):
-            return body(w, zw, valid, xs, posm, segm, keys, rowm)
+            return body(w, zw, sw, valid, xs, posm, segm, keys, rowm)
 
-    def body(w, zw, valid, xs, posm, segm, keys, rowm):
+    def body(w, zw, sw, valid, xs, posm, segm, keys, rowm):
         s = lax.axis_index(AXIS)
         # this stage's rows of the stack's input [S, r, T, D]. Stage 0 assembles microbatch m at
         # tick m and the last stage's output of microbatch m goes to the stages holding its rows
@@ -360,7 +373,7 @@ def trunk(model, batch: dict, *, layout: Layout, microbatches: int, stage_remat:
         # the outputs of every tick
         own = xs[:, 0]
         x_like = jnp.zeros((posm.shape[1], *own.shape[2:]), own.dtype)        # one microbatch
-        w, zw = jax.tree.map(lambda a: a.reshape(R, C, *a.shape[1:]), (w, zw))
+        w, zw, sw = jax.tree.map(lambda a: a.reshape(R, C, *a.shape[1:]), (w, zw, sw))
         keys = None if keys is None else keys.reshape(R, C, *keys.shape[1:])
         valid = valid.reshape(R, C)
         # circular: an output back at stage 0 waits M-P ticks for its microbatch's next repeat,
@@ -372,7 +385,7 @@ def trunk(model, batch: dict, *, layout: Layout, microbatches: int, stage_remat:
         acc0 = _vary(jax.tree.map(lambda a: jnp.zeros((R, *a.shape), a.dtype), aux_shapes))
 
         def tick(c, t):
-            state, buf, out, acc = c
+            state, buf, out, acc, sw = c
             k = t - s                                   # the item this stage works on
             active = (k >= 0) & (k < M * R)
             k = jnp.clip(k, 0, M * R - 1)
@@ -390,7 +403,7 @@ def trunk(model, batch: dict, *, layout: Layout, microbatches: int, stage_remat:
                 fresh = jnp.where(r == 0, fresh, buf[(t - M) % K])
             x_in = jnp.where(s == 0, fresh, state)
             # (R=1: a static index, which autodiff keeps once, not a traced one it keeps every tick)
-            y, aux = run_stage(w, zw, valid, r if R > 1 else 0, x_in, posm[m], segm[m], keys,
+            y, aux = run_stage(w, zw, sw, valid, r if R > 1 else 0, x_in, posm[m], segm[m], keys,
                                None if rowm is None else rowm[m])
             acc = jax.tree.map(lambda a, b: a.at[r].add(jnp.where(active, b, jnp.zeros_like(b))), acc, aux)
             # the last stage's output of microbatch e (its last repeat), to the stages that hold its rows
@@ -398,14 +411,22 @@ def trunk(model, batch: dict, *, layout: Layout, microbatches: int, stage_remat:
             out = lax.cond((e >= 0) & (e < M), lambda: _give_back(out, y, jnp.clip(e, 0, M - 1), M, Ps - 1),
                            lambda: out)
             nxt = lax.ppermute(y, AXIS, [(i, (i + 1) % Ps) for i in range(Ps)])
-            return (nxt, buf, out, acc), None
+            # (`+ 0`: a carry the body returns as it came in, JAX makes a loop constant, whose
+            # gradient starts from zeros)
+            return (nxt, buf, out, acc, jax.tree.map(lambda a: a + 0, sw)), None
 
-        (_, _, out, acc), _ = lax.scan(tick, (_vary(x_like), buf0, _vary(jnp.zeros_like(own)), acc0), jnp.arange(ticks))
-        return out[:, None], jax.tree.map(lambda a: a.reshape(R * C, *a.shape[2:]), acc)
+        (_, _, out, acc, sw), _ = lax.scan(tick, (_vary(x_like), buf0, _vary(jnp.zeros_like(own)), acc0, sw),
+                                           jnp.arange(ticks))
+        flat = lambda a: a.reshape(R * C, *a.shape[2:])                                 # noqa: E731
+        return out[:, None], jax.tree.map(flat, acc), jax.tree.map(flat, sw)
 
-    run = jax.shard_map(per_device, in_specs=(P(AXIS), P(AXIS), P(AXIS), P(None, AXIS), P(), P(), P(), P(AXIS), P()),
-                        out_specs=(P(None, AXIS), P(AXIS)), axis_names={AXIS})
-    ym, acc = run(state, zs, valid, _by_stage(x), _split(positions, M), _split(segment_ids, M), base, slot_keys, rowm)
+    run = jax.shard_map(per_device, in_specs=(P(AXIS), P(AXIS), P(AXIS), P(AXIS), P(None, AXIS), P(), P(), P(),
+                                              P(AXIS), P()),
+                        out_specs=(P(None, AXIS), P(AXIS), P(AXIS)), axis_names={AXIS})
+    ym, acc, sums = run(state, zs, sums, valid, _by_stage(x), _split(positions, M), _split(segment_ids, M), base,
+                        slot_keys, rowm)
+    if running is not None:
+        running.out[MOE_STACK] = sums
     # each stage goes on with its own rows of the stack's output (the batch over pipeline)
     y = logical.constrain(ym.reshape(-1, *ym.shape[3:]), "batch", "seq", "act_embed")
     return y, positions, segment_ids, _stage_aux(acc, layout)
@@ -471,8 +492,12 @@ ONEFONEB_MANUAL = (AXIS, "data")
 
 
 def loss_and_grads_1f1b(graphdef, params: nnx.State, rest: nnx.State, batch: dict, *, layout: Layout,
-                        microbatches: int, head_loss, balance_ct: float, scale, mtp: bool = True):
-    """One (grad_accum) microbatch under 1F1B: ((loss * scale, stats), grads of params).
+                        microbatches: int, head_loss, balance_ct: float, scale, mtp: bool = True,
+                        sums: nnx.State | None = None):
+    """One (grad_accum) microbatch under 1F1B: ((loss * scale, stats), grads of params), or with
+    `sums` (grad_accum's running fp32 sum, shaped like params) sums + the grads: the tick loop's
+    gradient sums start from it (on one data shard, as the sums over `data` run once, at the
+    end), so the stack's gradients are never a second buffer beside it.
 
     `head_loss(model, y, piece)` -> (loss, stats) is the epilogue and objective of one piece of
     `batch` (some rows of a pipeline microbatch on one data shard; every [B, ...] entry of the
@@ -524,11 +549,13 @@ def loss_and_grads_1f1b(graphdef, params: nnx.State, rest: nnx.State, batch: dic
 
     base, slot_keys = _dropout_inputs(layout)
 
-    def per_device(stack, rstack, other, rother, valid, xs, bm, scale, base, keys):
-        with _dropout_scope(base):
-            return body(stack, rstack, other, rother, valid, xs, bm, scale, keys)
+    sum_stack, sum_other = (None, None) if sums is None else _partition(sums)
 
-    def body(stack, rstack, other, rother, valid, xs, bm, scale, keys):
+    def per_device(stack, rstack, other, rother, valid, xs, bm, scale, base, keys, sum_stack, sum_other):
+        with _dropout_scope(base):
+            return body(stack, rstack, other, rother, valid, xs, bm, scale, keys, sum_stack, sum_other)
+
+    def body(stack, rstack, other, rother, valid, xs, bm, scale, keys, sum_stack, sum_other):
         s = lax.axis_index(AXIS)
         # this stage's rows of the stack's input [S, r, T, D]. Stage 0 assembles microbatch f at
         # tick f and the input gradient goes back to the stages holding its rows at its tick
@@ -606,14 +633,22 @@ def loss_and_grads_1f1b(graphdef, params: nnx.State, rest: nnx.State, batch: dic
             return {"recv_f": recv_f, "recv_b": recv_b, "inp": inp, "dx": dx, "acc": acc}, None
 
         zeros = lambda shapes: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)   # noqa: E731
+        if sum_stack is None:
+            d_stack0, d_other0 = jax.tree.map(jnp.zeros_like, stack), jax.tree.map(jnp.zeros_like, other)
+        else:
+            # a running sum enters once: on data shard 0, and (a leaf summed over the stages too,
+            # not split over them) on stage 0
+            first = lax.axis_index("data") == 0
+            d_stack0 = {k: jnp.where(first, a, jnp.zeros((), a.dtype)) for k, a in sum_stack.items()}
+            d_other0 = {k: jnp.where(first & ((s == 0) | (dims[k] is not None)), a, jnp.zeros((), a.dtype))
+                        for k, a in sum_other.items()}
         y_like = jnp.zeros((mb_rows, *own.shape[2:]), own.dtype)
         aux_shape = jax.eval_shape(lambda: stage_w(stack, y_like, 0)[1])
         post_shape = jax.eval_shape(lambda: post(other, y_like[:piece_rows], 0)[1])
         carry0 = vary({"recv_f": y_like, "recv_b": y_like, "inp": jnp.zeros((ring, *y_like.shape), y_like.dtype),
                        "dx": jnp.zeros_like(own),
                        "acc": {"loss": jnp.float32(0), "post": zeros(post_shape), "aux": zeros(aux_shape),
-                               "dother": jax.tree.map(jnp.zeros_like, other),
-                               "dstack": jax.tree.map(jnp.zeros_like, stack)}})
+                               "dother": d_other0, "dstack": d_stack0}})
         c, _ = lax.scan(tick, carry0, jnp.arange(ticks))
         acc = c["acc"]
         both = ONEFONEB_MANUAL
@@ -626,10 +661,11 @@ def loss_and_grads_1f1b(graphdef, params: nnx.State, rest: nnx.State, batch: dic
     row_spec = P(None, "data")
     share = {k: P(*[AXIS if i == d else None for i in range(d + 1)]) if d is not None else P() for k, d in dims.items()}
     run = jax.shard_map(per_device, in_specs=(P(AXIS), P(AXIS), share, P(), P(AXIS), P("data", AXIS), row_spec, P(),
-                                              P(), P(AXIS)),
+                                              P(), P(AXIS), P(AXIS), P() if sums is None else share),
                         out_specs=(P(), P(), P(AXIS), P(AXIS), share, P("data", AXIS)), axis_names=set(ONEFONEB_MANUAL))
     loss, post_stats, aux, d_stack, d_other_post, dxs = run(
-        stack_v, rest_stack, other_v, rest_other, valid, _by_stage(x), batch_m, scale, base, slot_keys)
+        stack_v, rest_stack, other_v, rest_other, valid, _by_stage(x), batch_m, scale, base, slot_keys,
+        sum_stack, sum_other)
     (d_other_pro,) = pro_vjp(dxs.reshape(-1, *dxs.shape[3:]))
     grads = {**d_stack, **jax.tree.map(jnp.add, d_other_post, d_other_pro)}
     return (loss * scale, {**post_stats, **_stage_aux(aux, layout)}), _state_of(params, grads)

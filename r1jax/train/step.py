@@ -214,14 +214,14 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, cfg: Config, mes
         return loss * scale, stats
 
     if layout is not None and cfg.pipeline.schedule is Schedule.onefoneb:
-        def grad_fn(params, rest, mb, tokens, scale, key, *, rows):
+        def grad_fn(params, rest, mb, tokens, scale, key, *, rows, sums=None):
             def piece_loss(model, y, piece):
                 return epilogue_loss(model, y, piece["positions"], piece["segment_ids"], piece, objective, tokens, rows)
             with loralib.dropout(key, cfg.lora.dropout if cfg.lora.rank else 0.0, mb.get("row")):
                 return pipeline.loss_and_grads_1f1b(graphdef, params, rest, mb, layout=layout,
                                                     microbatches=t.microbatches, head_loss=piece_loss,
                                                     balance_ct=objective.balance_weight / rows, scale=scale,
-                                                    mtp=objective.mtp)
+                                                    mtp=objective.mtp, sums=sums)
     elif low is not None:
         # the gradients of fp32 zeros tapped into the compute-dtype copy (`layers.tap`): fp32,
         # summed in fp32 over the pipeline's ticks and the epilogue's chunks
@@ -234,22 +234,31 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, cfg: Config, mes
     else:
         grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
+    # the running gradient sum added to in place (one fp32 buffer) by the backward of each stack
+    # that runs unpipelined under remat full (r1jax/model/accumulate.py) or pipelined by GPipe or
+    # circular ticks (their carry, r1jax/parallel/pipeline.py); 1F1B's tick loop starts its own
+    # gradient sums from it (`loss_and_grads_1f1b`)
+    onefoneb = layout is not None and cfg.pipeline.schedule is Schedule.onefoneb
+    in_sums = set() if onefoneb else {
+        name for name, n in STACKS.items() if t.remat is Remat.full or (n == MOE_STACK and layout is not None)}
+    in_place = accum > 1 and bool(in_sums)
+
     def into_sums(params, rest, mb, tokens, scale, key, sums, *, rows):
         """One microbatch's ((loss * scale, stats), sums + its gradients) with the stacks'
-        gradients added into `sums` by their backward (r1jax/model/accumulate.py): the parts
-        outside the stacks get theirs through fp32 zeros tapped into them (`layers.tap`)."""
+        gradients added into `sums` by their backward (`in_sums`): the other parts get theirs
+        through fp32 zeros tapped into them (`layers.tap`)."""
         flat = list(nnx.to_flat_state(params))
         have = dict(nnx.to_flat_state(sums))
-        outside = {p: jnp.zeros(v.shape, jnp.float32) for p, v in flat if p[0] not in STACKS}
+        outside = {p: jnp.zeros(v.shape, jnp.float32) for p, v in flat if p[0] not in in_sums}
         stack_sums = {}
         for p, v in have.items():
-            if p[0] in STACKS:
+            if p[0] in in_sums:
                 stack_sums.setdefault(STACKS[p[0]], {})[p[2:]] = v.get_value()
 
         def f(z_out, stack_sums):
             z = nnx.from_flat_state([(p, v.replace(z_out[p] if p in z_out else jnp.zeros(v.shape, jnp.float32)))
                                      for p, v in flat])
-            used = nnx.from_flat_state([(p, v.replace(jax.lax.stop_gradient(v.get_value()))) if p[0] in STACKS
+            used = nnx.from_flat_state([(p, v.replace(jax.lax.stop_gradient(v.get_value()))) if p[0] in in_sums
                                         else (p, v.replace(tap(v.get_value(), z_out[p]))) for p, v in flat])
             with accumulate.into(stack_sums) as box:
                 loss, stats = micro_loss(used, rest, mb, tokens, scale, key, rows=rows, taps=z)
@@ -257,13 +266,9 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, cfg: Config, mes
 
         (loss, _), back, stats = jax.vjp(f, outside, stack_sums, has_aux=True)
         g_out, g_stacks = back((jnp.ones_like(loss), stack_sums))
-        new = [(p, v.replace(g_stacks[STACKS[p[0]]][p[2:]] if p[0] in STACKS else v.get_value() + g_out[p]))
+        new = [(p, v.replace(g_stacks[STACKS[p[0]]][p[2:]] if p[0] in in_sums else v.get_value() + g_out[p]))
                for p, v in have.items()]
         return (loss, stats), nnx.from_flat_state(new)
-
-    # the running gradient sum added to in place by the stacks' backward (one fp32 buffer), where
-    # the stacks run unpipelined under remat full
-    in_place = accum > 1 and layout is None and t.remat is Remat.full
 
     def train_step(state: State, batch: dict[str, jax.Array]):
         scale = state["loss_scale"]["scale"]
@@ -282,8 +287,9 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, cfg: Config, mes
             micro = jax.tree.map(lambda x: x.reshape(-1, accum, *x.shape[1:]).swapaxes(0, 1), batch)
 
             def body(carry, mb):
-                if in_place:
-                    out, g = into_sums(model_params, state["rest"], mb, tokens, scale, key, carry[1], rows=rows)
+                if in_place or onefoneb:      # the gradients added into the running sum
+                    out, g = (into_sums(model_params, state["rest"], mb, tokens, scale, key, carry[1], rows=rows)
+                              if in_place else grads_of(model_params, state["rest"], mb, tokens, scale, key, sums=carry[1]))
                     return (jax.tree.map(jnp.add, carry[0], out), jax.lax.with_sharding_constraint(g, msh)), None
                 out, g = grads_of(model_params, state["rest"], mb, tokens, scale, key)   # masks: by mb["row"]
                 g = jax.lax.with_sharding_constraint(g, msh)
