@@ -639,7 +639,7 @@ def _phases(cfg: Config, mesh: dict[str, int], st: dict, g: Geometry) -> list[tu
                  else grads_all - parts.get("embed", 0) + g_dense_own)
     dense_bwd = ph("backward dense layers", r_dense, 0, w_dense + bwd_dense, own_dense)
 
-    if P > 1 and n_moe and cfg.pipeline.schedule is Schedule.onefoneb:
+    if onefoneb and n_moe:
         # the lock-step 1F1B (pipeline.loss_and_grads_1f1b), pipeline and data manual: every tick
         # runs one stage forward, the epilogue's forward and backward on 1/P of the last stage's
         # rows, and one stage backward (recomputed from the kept input). A device keeps a ring of

@@ -213,7 +213,8 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, cfg: Config, mes
         loss, stats = model_loss(model, mb, cfg, layout, objective, tokens, rows, key, taps)
         return loss * scale, stats
 
-    if layout is not None and cfg.pipeline.schedule is Schedule.onefoneb:
+    onefoneb = layout is not None and cfg.pipeline.schedule is Schedule.onefoneb
+    if onefoneb:
         def grad_fn(params, rest, mb, tokens, scale, key, *, rows, sums=None):
             def piece_loss(model, y, piece):
                 return epilogue_loss(model, y, piece["positions"], piece["segment_ids"], piece, objective, tokens, rows)
@@ -238,7 +239,6 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, cfg: Config, mes
     # that runs unpipelined under remat full (r1jax/model/accumulate.py) or pipelined by GPipe or
     # circular ticks (their carry, r1jax/parallel/pipeline.py); 1F1B's tick loop starts its own
     # gradient sums from it (`loss_and_grads_1f1b`)
-    onefoneb = layout is not None and cfg.pipeline.schedule is Schedule.onefoneb
     in_sums = set() if onefoneb else {
         name for name, n in STACKS.items() if t.remat is Remat.full or (n == MOE_STACK and layout is not None)}
     in_place = accum > 1 and bool(in_sums)
