@@ -30,7 +30,7 @@ CASES = {
     "data2 vocab=4096 remat=none epilogue_chunks=4": (
         {"data": 2}, ["model.vocab_size=4096", "train.remat=none", "train.epilogue_chunks=4"]),
     "data8 remat=none grad_accum=1": ({"data": 8}, ["train.remat=none"]),
-    "data2 x tensor4 remat=full grad_accum=2": ({"data": 2, "tensor": 4}, ["train.remat=full", "train.grad_accum=2"]),
+    "data2 x tensor4 remat=full grad_accum=1": ({"data": 2, "tensor": 4}, ["train.remat=full", "train.grad_accum=1"]),
     "pipeline2 x data4 gpipe M=2 remat=none grad_accum=2": (
         {"data": 4, "pipeline": 2}, ["train.remat=none", "train.microbatches=2", "train.grad_accum=2"]),
 }

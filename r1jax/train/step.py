@@ -187,10 +187,6 @@ def gathered(params: nnx.State, shardings, dtype) -> nnx.State:
     return jax.lax.with_sharding_constraint(params, shardings)
 
 
-def _tree_select(pred, new, old):
-    return jax.tree.map(lambda a, b: jnp.where(pred, a, b), new, old)
-
-
 def make_train_step(graphdef, tx: optax.GradientTransformation, cfg: Config, mesh: Mesh, shardings: State,
                     objective: Objective | None = None) -> Callable[[State, dict], tuple[State, dict]]:
     """The jitted step for `objective` (default: the one `loss.objective` names)."""
@@ -304,17 +300,24 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, cfg: Config, mes
             grads = jax.lax.with_sharding_constraint(grads, zsh)
         loss = loss / scale
         finite = jnp.isfinite(loss) & jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
-        updates, opt = tx.update(grads, state["opt"], state["params"])
-        params = optax.apply_updates(state["params"], updates)
-        rest = state["rest"]
-        if has_moe:
-            rest = update_router_bias(rest, stats["load"], stats.get("mtp_load"), cfg.optim.bias_update_rate, layout)
+        kept = {k: state[k] for k in ("params", "rest", "opt")}
+
+        def update(_):
+            updates, opt = tx.update(grads, state["opt"], state["params"])
+            rest = state["rest"]
+            if has_moe:
+                rest = update_router_bias(rest, stats["load"], stats.get("mtp_load"), cfg.optim.bias_update_rate,
+                                          layout)
+            return {"params": optax.apply_updates(state["params"], updates), "rest": rest, "opt": opt}
+
         # A non-finite loss or gradient, in any dtype, leaves params, moments and router biases as
-        # they were (the loop counts it: r1jax/train/guard.py). The select is elementwise on the
-        # update, so XLA fuses it into the in-place update of the donated buffers: demo.yaml's
-        # compiled temp memory goes from 608.7 to 618.5 MiB (its state is 192.8 MiB), no second copy.
-        new = _tree_select(finite, {"params": params, "rest": rest, "opt": opt},
-                           {k: state[k] for k in ("params", "rest", "opt")})
+        # they were (the loop counts it: r1jax/train/guard.py). A branch, not a select of the new
+        # state against the old: XLA scheduled every leaf's update before the selects, which
+        # need the old values too, so the updated params and moments were all live beside the
+        # old ones (hidden 256, 16 experts, remat full, AdamW: XLA temp 238.9 -> 164.8 MiB for
+        # 82.4 MiB of params; demo.yaml 652.3 -> 644.7 MiB). Every device takes the same branch
+        # (`finite` is global), so the clip's norm all-reduce inside it is safe.
+        new = jax.lax.cond(finite, update, lambda _: kept, None)
         ls = state["loss_scale"]
         if fp16:
             good = jnp.where(finite, ls["good_steps"] + 1, 0)
