@@ -106,7 +106,7 @@ def main(argv=None) -> int:
     rows = measure(args.config, args.rank, args.steps)
     after = cpu_pressure()
     busy = max(x or 0 for x in (before, after)) > 10
-    meta = {"command": "python bench/lora.py " + " ".join(sys.argv[1:] if argv is None else argv),
+    meta = {"command": " ".join(["python bench/lora.py", *(sys.argv[1:] if argv is None else argv)]),
             "date": datetime.date.today().isoformat(), "machine": machine_line(), "config": args.config,
             "pressure": f"CPU pressure avg10 {before} -> {after}%" + (": machine busy, times are rough" if busy else "")}
     RESULTS.mkdir(parents=True, exist_ok=True)
