@@ -134,19 +134,21 @@ def test_pipelined_grad_accumulation_keeps_one_gradient_buffer(schedule):
 @pytest.mark.slow
 def test_the_update_keeps_no_second_copy_of_the_state():
     """The non-finite guard is a branch around the optimizer update, not a select of the new
-    state against the old: with the select XLA ran every leaf's update before the selects, so
-    updated and old params and moments were live at once. Where the weights dominate (hidden
-    256, 16 experts, remat full, AdamW: the update is the step's peak) XLA's temp is now within
-    20% of the planner's, which counts the gradients and a few leaves' temporaries at the
-    update: measured 164.8 MiB against 137.1 predicted (-16.8%; the select: 238.9, -42.6%)."""
+    state against the old (with the select XLA ran every leaf's update before the selects, so
+    updated and old params and moments were live at once), and the gradient clip multiplies by
+    one scalar, which XLA recomputes inside Adam's moment updates (optax divides, and XLA wrote
+    the clipped gradients of every leaf out whole first). Where the weights dominate (hidden 256,
+    16 experts, remat full, AdamW) XLA's temp is then within 15% of the planner's, whose peak is
+    the update (the gradients and a few leaves' temporaries): measured 150.7 MiB against 137.1
+    predicted (-9.0%); with optax's clip 164.8 (-16.8%), with the select too 238.9 (-42.6%)."""
     cfg = _cfg("model.hidden_size=256", "model.intermediate_size=1024", "model.moe_intermediate_size=256",
                "model.num_hidden_layers=6", "model.n_routed_experts=16", "train.remat=full")
     c = plan.compare(cfg, {a: 1 for a in plan.AXES})
     print(f"\n{plan.check_report(c)}")
     assert c["predicted"]["activations"]["phase"] == "optimizer"
-    assert c["rows"]["temp"]["rel_error"] > -0.2
-    # the gradients and a transient per leaf: 2.0x the params (82.4 MiB) measured, 2.9x with the select
-    assert c["rows"]["temp"]["xla"] < 2.3 * plan.state_bytes(cfg, {a: 1 for a in plan.AXES})["params"]
+    assert c["rows"]["temp"]["rel_error"] > -0.15
+    # 1.83x the params (82.4 MiB) measured; 2.0x with optax's clip, 2.9x with the select too
+    assert c["rows"]["temp"]["xla"] < 1.9 * plan.state_bytes(cfg, {a: 1 for a in plan.AXES})["params"]
 
 
 @pytest.mark.slow
