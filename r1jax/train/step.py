@@ -316,8 +316,8 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, cfg: Config, mes
         # need the old values too, so the updated params and moments were all live beside the
         # old ones (hidden 256, 16 experts, remat full, AdamW: XLA temp 238.9 -> 164.8 MiB for
         # 82.4 MiB of params, 150.7 with optim.clip_by_global_norm; demo.yaml 652.3 -> 644.7
-        # MiB). Every device takes the same branch
-        # (`finite` is global), so the clip's norm all-reduce inside it is safe.
+        # MiB). Every device takes the same branch (`finite` is global), so the clip's norm
+        # all-reduce inside it is safe.
         new = jax.lax.cond(finite, update, lambda _: kept, None)
         ls = state["loss_scale"]
         if fp16:
