@@ -93,35 +93,41 @@ MOE_STACK = 1       # the MoE stack's number for LoRA dropout's per-layer keys (
 
 
 def scan_blocks(graphdef, state, x, cos, sin, segment_ids, remat: Remat, valid=None, replay=None, keys=None,
-                stack: int | None = None):
+                stack: int | None = None, sums=None, at=None):
     """Blocks with stacked parameters `state` [n, ...] applied in order under `lax.scan`.
 
     `valid` [n] bool marks real layers; a padding slot (False) passes its input through and
     reports zero load, drops and balance loss, so its (zero) parameters get exactly zero gradient.
     `replay` [n, B, T, k]: each layer's expert ids to replay (`moe.route`). `keys` [n]: each
-    layer's LoRA dropout key (`lora.layer_keys`). `stack` (the model's stack number): under
-    remat full, a running gradient sum for it in an open `accumulate.into` is added to in place
-    by the stack's backward (r1jax/model/accumulate.py)."""
-    if stack is not None and remat is Remat.full and valid is None and accumulate.running(stack):
-        template = list(nnx.to_flat_state(state))
-
-        def layer(flat, h, xs_i):
-            rep, key = xs_i
-            st = nnx.from_flat_state([(p, v.replace(flat[p])) for p, v in template])
-            with loralib.layer_key(key):
-                return nnx.merge(graphdef, st)(h, cos, sin, segment_ids, replay=rep)
-
-        return accumulate.scan(layer, {p: v.get_value() for p, v in template}, x, (replay, keys), stack)
-
-    def body(carry, xs):
+    layer's LoRA dropout key (`lora.layer_keys`). Under remat full the backward adds the layers'
+    gradients in place into a running fp32 sum (r1jax/model/accumulate.py): `stack` (the model's
+    stack number) finds it in an open `accumulate.into`; `sums` ({path in `state`: [n, ...]})
+    passes it in, and then the return is (y, aux, sums). With `at`, `state` and `sums` are
+    [R, n, ...] and the stack is their slice `at` (taken inside: `accumulate.scan_into`)."""
+    def run(h, xs, cos=cos, sin=sin, segment_ids=segment_ids):
         layer_state, ok, rep, key = xs
         with loralib.layer_key(key):
-            y, aux = nnx.merge(graphdef, layer_state)(carry, cos, sin, segment_ids, replay=rep)
+            y, aux = nnx.merge(graphdef, layer_state)(h, cos, sin, segment_ids, replay=rep)
         if ok is None:
             return y, aux
-        return jnp.where(ok, y, carry), jax.tree.map(lambda a: jnp.where(ok, a, jnp.zeros_like(a)), aux)
+        return jnp.where(ok, y, h), jax.tree.map(lambda a: jnp.where(ok, a, jnp.zeros_like(a)), aux)
 
-    return jax.lax.scan(_checkpointed(body, remat), x, (state, valid, replay, keys))
+    box = stack is not None and valid is None and accumulate.running(stack)
+    if remat is Remat.full and (box or sums is not None):
+        template = list(nnx.to_flat_state(state))
+
+        def layer(flat, h, xs_i, env):
+            ok, rep, key = xs_i
+            st = nnx.from_flat_state([(p, v.replace(flat[p])) for p, v in template])
+            return run(h, (st, ok, rep, key), *env)
+
+        flat = {p: v.get_value() for p, v in template}
+        env = (cos, sin, segment_ids)
+        if sums is None:
+            return accumulate.scan(layer, flat, x, (valid, replay, keys), env, stack)
+        return accumulate.scan_into(layer, flat, x, (valid, replay, keys), env, sums, at)
+    assert sums is None, "a passed-in gradient sum is added to by remat full's backward only"
+    return jax.lax.scan(_checkpointed(run, remat), x, (state, valid, replay, keys))
 
 
 def scan_blocks_kv(graphdef, state, x, cos, sin, segment_ids, kv: KV, name: str):

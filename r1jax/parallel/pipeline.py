@@ -61,7 +61,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from r1jax import logical
-from r1jax.config import Config, Schedule
+from r1jax.config import Config, Remat, Schedule
 from r1jax.model import accumulate
 from r1jax.model import lora as loralib
 from r1jax.model import rope
@@ -281,12 +281,12 @@ def _stage_fn(model, graphdef, axes: tuple[str, ...] = (AXIS,)):
     and the microbatch's row numbers."""
     cfg, dtype, remat = model.cfg, model.dtype, model.remat
 
-    def stage(w, valid, x, pos, seg, keys=None, rows=None):
+    def stage(w, valid, x, pos, seg, keys=None, rows=None, sums=None, at=None):
         cos, sin = rope.cos_sin(cfg, pos, dtype)
         keys = None if keys is None else jax.random.wrap_key_data(keys)
         with loralib.rows(rows):
-            y, aux = scan_blocks(graphdef, w, _vary(x, axes), cos, sin, seg, remat, valid, keys=keys)
-        return y, {k: aux[k].astype(jnp.float32) for k in STAGE_AUX}
+            out = scan_blocks(graphdef, w, _vary(x, axes), cos, sin, seg, remat, valid, keys=keys, sums=sums, at=at)
+        return (out[0], {k: out[1][k].astype(jnp.float32) for k in STAGE_AUX}, *out[2:])
     return stage
 
 
@@ -345,13 +345,21 @@ def trunk(model, batch: dict, *, layout: Layout, microbatches: int, stage_remat:
     stage = _stage_fn(model, graphdef)
 
     def stage_at(w, zw, sw, valid, r, x, pos, seg, keys, rows):
+        """(y, aux, sw): the stage's repeat r, its gradients added into the sums `sw` [R, C, ...]."""
         # repeat r's weights are picked inside: under stage_remat the tick then keeps the whole
         # (loop-invariant) stack once, not a copy of its repeat's slice every tick
         pick = functools.partial(jax.tree.map, lambda a: a[r])
+        keys = None if keys is None else keys[r]
+        if sw is not None and model.remat is Remat.full:
+            # the stage's own backward walks its layers adding each one's gradients into slice
+            # r of the sums (model/accumulate.py): no [C, ...] stage gradient beside the sum;
+            # it picks repeat r itself, so the backward keeps the whole stack once, not the
+            # repeat's slice every tick
+            return stage(w, valid[r], x, pos, seg, keys, rows, sums=sw, at=r)
         w = pick(w) if zw is None else tap(pick(w), pick(zw))
         if sw is not None:
             w = accumulate.routed(w, pick(sw))
-        return stage(w, valid[r], x, pos, seg, None if keys is None else keys[r], rows)
+        return (*stage(w, valid[r], x, pos, seg, keys, rows), sw)
 
     # (prevent_cse is for checkpoints outside a loop; inside the tick scan it only costs)
     run_stage = jax.checkpoint(stage_at, policy=jax.checkpoint_policies.nothing_saveable,
@@ -403,8 +411,8 @@ def trunk(model, batch: dict, *, layout: Layout, microbatches: int, stage_remat:
                 fresh = jnp.where(r == 0, fresh, buf[(t - M) % K])
             x_in = jnp.where(s == 0, fresh, state)
             # (R=1: a static index, which autodiff keeps once, not a traced one it keeps every tick)
-            y, aux = run_stage(w, zw, sw, valid, r if R > 1 else 0, x_in, posm[m], segm[m], keys,
-                               None if rowm is None else rowm[m])
+            y, aux, sw = run_stage(w, zw, sw, valid, r if R > 1 else 0, x_in, posm[m], segm[m], keys,
+                                   None if rowm is None else rowm[m])
             acc = jax.tree.map(lambda a, b: a.at[r].add(jnp.where(active, b, jnp.zeros_like(b))), acc, aux)
             # the last stage's output of microbatch e (its last repeat), to the stages that hold its rows
             e = t - (Ps - 1) - (R - 1) * M
