@@ -82,24 +82,30 @@ MESHES = {
     # tiny has 2 MoE layers: 1 per stage on 2 stages; on 4 stages (and on 2 x 2 virtual stages)
     # two of them are padding, which exercises uneven layer counts
     "pipeline2_data4_gpipe_masked": ["mesh.data=4", "mesh.pipeline=2", "train.microbatches=2", *MASKED],
-    # each tick's stage recomputed from its input in the backward
-    "pipeline2_data4_gpipe_stage_remat": ["mesh.data=4", "mesh.pipeline=2", "train.microbatches=2",
-                                          "pipeline.stage_remat=true"],
+    # each tick's stage recomputed from its input in the backward, whose stage backward adds
+    # each layer's gradients into the sum the ticks carry (remat full, accumulate.scan_into),
+    # padding slots included (2 MoE layers on 4 stages)
+    "pipeline4_data2_gpipe_stage_remat_full": ["mesh.data=2", "mesh.pipeline=4", "train.microbatches=4",
+                                               "pipeline.stage_remat=true", "train.remat=full"],
     # the lock-step 1F1B with GSPMD axes inside its stages (tensor, fsdp), which a per-stage branch
     # could not hold (XLA:CPU's collectives wait for every device)
     "pipeline2_tensor2_data2_1f1b_masked": ["mesh.data=2", "mesh.tensor=2", "mesh.pipeline=2", "train.microbatches=2",
                                             "pipeline.schedule=1f1b", "kernels.attention=flash",
                                             "kernels.attention_block=16", *MASKED],
-    "pipeline2_fsdp2_data2_1f1b": ["mesh.data=2", "mesh.fsdp=2", "mesh.pipeline=2", "train.microbatches=2",
-                                   "pipeline.schedule=1f1b"],
+    # (remat full: each tick's stage backward adds into the tick loop's sums itself)
+    "pipeline2_fsdp2_data2_1f1b_remat_full": ["mesh.data=2", "mesh.fsdp=2", "mesh.pipeline=2", "train.microbatches=2",
+                                              "pipeline.schedule=1f1b", "train.remat=full"],
     # expert parallelism inside the stages: the token exchange's shard_map nested in the pipeline's
     "pipeline2_expert2_data2_gpipe": ["mesh.data=2", "mesh.expert=2", "mesh.pipeline=2", "train.microbatches=2"],
     "pipeline2_expert2_data2_circular": ["mesh.data=2", "mesh.expert=2", "mesh.pipeline=2", "train.microbatches=2",
                                          "pipeline.schedule=circular", "pipeline.repeats=2"],
     # with grad_accum, on 4 devices (a microbatch's 4 rows): circular's ticks add into the running
-    # sum they carry; 1F1B's tick loop starts its sums from it, on data shard 0 only
-    "pipeline2_expert2_circular_accum2": ["mesh.data=1", "mesh.expert=2", "mesh.pipeline=2", "train.microbatches=2",
-                                          "train.grad_accum=2", "pipeline.schedule=circular", "pipeline.repeats=2"],
+    # sum they carry (remat full: the stage's backward adds each layer's, the repeat a traced
+    # slice); 1F1B's tick loop starts its sums from it, on data shard 0 only
+    "pipeline2_expert2_circular_accum2_remat_full": ["mesh.data=1", "mesh.expert=2", "mesh.pipeline=2",
+                                                     "train.microbatches=2", "train.grad_accum=2",
+                                                     "pipeline.schedule=circular", "pipeline.repeats=2",
+                                                     "train.remat=full"],
     "pipeline2_data2_1f1b_accum2": ["mesh.data=2", "mesh.pipeline=2", "train.microbatches=1", "train.grad_accum=2",
                                     "pipeline.schedule=1f1b"],
     "pipeline2_expert2_data2_1f1b": ["mesh.data=2", "mesh.expert=2", "mesh.pipeline=2", "train.microbatches=2",

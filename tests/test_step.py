@@ -80,36 +80,6 @@ def test_grad_accumulation_equals_the_large_batch(remat):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["gpipe", "circular_stage_remat"])
-def test_pipelined_grad_accumulation_under_remat_full_matches_large_batch(schedule):
-    """Pipelined under remat full each tick's stage backward adds its layers' gradients into the
-    running sum the ticks carry (pipeline.trunk, accumulate.scan_into; GPipe: 5 MoE layers on 2
-    stages of 3 slots, a padding slot; circular: 4 on 2 x 2 repeats of 1, the repeat picked by a
-    traced index, the stage recomputed from its input): grad_accum 2 gives grad_accum 1's
-    gradients (SGD, lr 1) within the bar of the unpipelined test above."""
-    shape = ["mesh.pipeline=2", "train.microbatches=2", "train.remat=full", "model.num_hidden_layers=6",
-             "optim.clip_norm=0", f"pipeline.schedule={schedule.split('_')[0]}"]
-    if schedule != "gpipe":
-        shape += ["pipeline.repeats=2", "model.num_hidden_layers=5", "pipeline.stage_remat=true"]
-    batch = _batch(_cfg(*shape, "train.global_batch_size=8"))
-    out = {}
-    for accum in (1, 2):
-        cfg = _cfg(*shape, f"train.grad_accum={accum}", "train.global_batch_size=8")
-        setup = build(cfg, make_mesh(cfg.mesh, jax.devices()[:2]), tx=optax.sgd(1.0))
-        p0 = _params(setup.state)
-        state, metrics = setup.step(setup.state, batch)
-        out[accum] = ({k: p0[k] - v for k, v in _params(state).items()}, float(metrics["loss"]))
-    (g1, l1), (g2, l2) = out[1], out[2]
-    scale = max(float(np.abs(g).max()) for g in g1.values())
-    d_abs = max(float(np.abs(g1[k] - g2[k]).max()) for k in g1)
-    stack = [k for k in g1 if k[0] == "moe_layers"]
-    print(f"\n{schedule}: |dloss|={abs(l1 - l2):.1e}, max|dgrad|={d_abs:.1e} (max|grad| {scale:.2f}); "
-          f"stack max|grad| {max(float(np.abs(g1[k]).max()) for k in stack):.2e}")
-    assert abs(l1 - l2) < 1e-5 and d_abs < 1e-5 and d_abs / scale < 1e-5
-    assert all(float(np.abs(g1[k]).max()) > 0 for k in stack if "bias" not in k[-1])
-
-
-@pytest.mark.slow
 def test_grad_accumulation_under_remat_full_keeps_one_gradient_buffer():
     """Unpipelined under remat full the stacks' backward adds each layer's gradients into the
     running sum (model/accumulate.py): grad_accum 2 needs, over grad_accum 1 on the same
@@ -147,7 +117,7 @@ def test_pipelined_grad_accumulation_keeps_one_gradient_buffer(schedule):
     stack gradients beside the sum: measured on 2 stages, circular (2 repeats) 76.05 -> 24.25 MiB,
     1F1B 51.46 -> 3.79 MiB (GPipe 65.41 -> 26.56); GPipe under remat full 62.56 -> 24.22 (the
     stage's autodiff had written the tick's stage gradients out before adding them). Their
-    numbers: test_mesh's *_accum2 pipelines, and the test above."""
+    numbers: test_mesh's *_accum2 and *_remat_full pipelines."""
     shape = _WEIGHTY + ["train.microbatches=2", f"pipeline.schedule={schedule.split('_')[0]}"]
     shape += {"circular": ["pipeline.repeats=2"], "gpipe_remat_full": ["train.remat=full"]}.get(schedule, [])
     temp = {}
@@ -185,6 +155,19 @@ def test_circular_remat_full_keeps_the_stack_once_not_a_repeat_a_tick():
     print(f"\ncircular remat full: temp M=2 {temp[2] / 2**20:.2f} MiB, M=4 {temp[4] / 2**20:.2f} MiB; "
           f"a repeat's weights {repeat / 2**20:.2f} MiB")
     assert temp[4] - temp[2] < repeat / 2
+
+
+@pytest.mark.slow
+def test_1f1b_remat_full_keeps_one_set_of_stage_gradients():
+    """Under remat full each 1F1B tick's stage backward adds its layers' gradients into the tick
+    loop's sums (accumulate.scan_into) instead of writing the stage's gradients out beside them:
+    on 2 stages, hidden 256, 16 experts, XLA temp 152.80 -> 113.95 MiB, which the planner (one
+    set of sums) predicts at 115.95 (+1.8%; -24.1% before). (Their numerics: test_mesh's
+    *_1f1b_remat_full.)"""
+    cfg = _cfg(*_WEIGHTY, "train.microbatches=2", "pipeline.schedule=1f1b", "train.remat=full")
+    c = plan.compare(cfg, {**{a: 1 for a in plan.AXES}, "pipeline": 2})
+    print(f"\n{plan.check_report(c)}")
+    assert abs(c["rows"]["temp"]["rel_error"]) < 0.1
 
 
 @pytest.mark.slow

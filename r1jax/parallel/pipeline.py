@@ -45,7 +45,10 @@ for 1f1b: `bubble()`.
 Under `train.grad_accum` the ticks add the stack's gradients into the step's running fp32 sum,
 not into a buffer of their own: gpipe and circular carry the sum through the tick loop, whose
 transpose then starts its gradient carry from the sum the step seeds (`accumulate.routed`);
-1f1b starts its tick loop's gradient sums from it.
+1f1b starts its tick loop's gradient sums from it. Under `train.remat: full` a tick's stage
+backward adds each layer's gradients into that sum itself (`accumulate.scan_into`), so no
+tick writes its stage's gradients out beside the sum (gpipe and circular at grad_accum 1 too,
+into zeros).
 """
 from __future__ import annotations
 
@@ -594,6 +597,25 @@ def loss_and_grads_1f1b(graphdef, params: nnx.State, rest: nnx.State, batch: dic
 
         masked = lambda on, t: jax.tree.map(lambda a: jnp.where(on, a, jnp.zeros_like(a)), t)   # noqa: E731
         bal_w = jnp.float32(balance_ct)
+        # under remat full the stage's backward adds each layer's gradients into the tick loop's
+        # sums itself (accumulate.scan_into), instead of writing the stage's [C, ...] gradients
+        # out beside them every tick; the recompute is the same (the stage from its input, each
+        # layer from its own). A tick without a microbatch adds zeros: its cotangents are zero
+        # and it recomputes a real, kept input (b clipped), so no product is inf or nan
+        in_place = model.remat is Remat.full
+        prefix = "moe_layers/layers/"
+        owned = [p for p, _ in nnx.to_flat_state(block_state(stack, rstack)) if prefix + _key(p) in stack]
+
+        def back_into(x, m, ct, dstack):
+            def run(xx, sums):
+                y, aux, sums = stage(block_state(stack, rstack), valid, xx, bm["positions"][m], bm["segment_ids"][m],
+                                     keys, bm["row"][m] if "row" in bm else None, sums=sums)
+                return (y, aux["balance"].sum()), sums
+
+            sums = {p: dstack[prefix + _key(p)] for p in owned}
+            _, back = jax.vjp(run, x, sums)
+            d_x, sums = back((ct, sums))
+            return d_x, {**dstack, **{prefix + _key(p): a for p, a in sums.items()}}
 
         def tick(c, t):
             f, b, e = t - s, t - (2 * Ps - 2 - s), t - (Ps - 1)      # e: the last stage's forward
@@ -624,14 +646,19 @@ def loss_and_grads_1f1b(graphdef, params: nnx.State, rest: nnx.State, batch: dic
                 on_e, epilogue, lambda _: vary(zeros(jax.eval_shape(epilogue, None))), None)
             # backward of microbatch b, recomputed from its kept input
             dy = jnp.where(last, dy_last, c["recv_b"])
-            _, back_s, _ = jax.vjp(lambda st, xx: stage_w(st, xx, b), stack, inp[b % ring], has_aux=True)
-            d_stack, d_x = back_s(vary((jnp.where(on_b, dy, jnp.zeros_like(dy)), jnp.where(on_b, bal_w * scale, 0.0))))
             acc = c["acc"]
+            ct = vary((jnp.where(on_b, dy, jnp.zeros_like(dy)), jnp.where(on_b, bal_w * scale, 0.0)))
+            if in_place:
+                d_x, dstack = back_into(inp[b % ring], b, ct, acc["dstack"])
+            else:
+                _, back_s, _ = jax.vjp(lambda st, xx: stage_w(st, xx, b), stack, inp[b % ring], has_aux=True)
+                d_stack, d_x = back_s(ct)
+                dstack = jax.tree.map(jnp.add, acc["dstack"], masked(on_b, d_stack))
             acc = {"loss": acc["loss"] + jnp.where(on_e, loss, 0.0) + jnp.where(on_f, bal * bal_w, 0.0),
                    "post": jax.tree.map(jnp.add, acc["post"], masked(on_e, stats)),
                    "aux": jax.tree.map(jnp.add, acc["aux"], masked(on_f, aux)),
                    "dother": jax.tree.map(jnp.add, acc["dother"], masked(on_e, d_other)),
-                   "dstack": jax.tree.map(jnp.add, acc["dstack"], masked(on_b, d_stack))}
+                   "dstack": dstack}
             # stage 0's input gradient of microbatch t-(2P-2), back to the stages that hold its rows
             b0 = t - (2 * Ps - 2)
             dx = lax.cond((b0 >= 0) & (b0 < M), lambda: _give_back(c["dx"], d_x, jnp.clip(b0, 0, M - 1), M, 0),
