@@ -582,10 +582,11 @@ def loss_and_grads_1f1b(graphdef, params: nnx.State, rest: nnx.State, batch: dic
         stack, other, rstack, rother = vary(stack), vary(other), vary(rstack), vary(rother)
         piece_rows = mb_rows // Ps
 
-        def stage_w(stack_, x, m):
-            y, aux = stage(block_state(stack_, rstack), valid, x, bm["positions"][m], bm["segment_ids"][m], keys,
-                           bm["row"][m] if "row" in bm else None)
-            return (y, aux["balance"].sum()), aux
+        def stage_w(stack_, x, m, sums=None):
+            """((y, balance), aux), and the sums (`accumulate.scan_into`) when given."""
+            y, aux, *handed = stage(block_state(stack_, rstack), valid, x, bm["positions"][m], bm["segment_ids"][m],
+                                    keys, bm["row"][m] if "row" in bm else None, sums=sums)
+            return ((y, aux["balance"].sum()), aux, *handed)
 
         def post(shares, y, m):
             other_ = {k: _gather_cast(a, dims[k], a.dtype if k in keep else model.dtype) if k in gathered else a
@@ -607,10 +608,9 @@ def loss_and_grads_1f1b(graphdef, params: nnx.State, rest: nnx.State, batch: dic
         owned = [p for p, _ in nnx.to_flat_state(block_state(stack, rstack)) if prefix + _key(p) in stack]
 
         def back_into(x, m, ct, dstack):
-            def run(xx, sums):
-                y, aux, sums = stage(block_state(stack, rstack), valid, xx, bm["positions"][m], bm["segment_ids"][m],
-                                     keys, bm["row"][m] if "row" in bm else None, sums=sums)
-                return (y, aux["balance"].sum()), sums
+            def run(xx, sw):
+                out, _, sw = stage_w(stack, xx, m, sw)
+                return out, sw
 
             sums = {p: dstack[prefix + _key(p)] for p in owned}
             _, back = jax.vjp(run, x, sums)
