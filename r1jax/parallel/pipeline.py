@@ -281,7 +281,9 @@ def _give_back(own: jax.Array, v: jax.Array, f, M: int, src: int) -> jax.Array:
 def _stage_fn(model, graphdef, axes: tuple[str, ...] = (AXIS,)):
     """(w [C,...], valid [C], x, positions, segment_ids, keys [C, 2] | None, rows | None) ->
     (y, aux [C,...]): one stage's layers; under LoRA dropout with its layers' keys (as key data)
-    and the microbatch's row numbers."""
+    and the microbatch's row numbers. With `sums` (remat full: the running fp32 gradient sums of
+    w's leaves, which the backward adds each layer's gradients into; `scan_blocks`) it returns
+    (y, aux, sums), and with `at` w and the sums are [R, C, ...] and the stage is repeat `at`."""
     cfg, dtype, remat = model.cfg, model.dtype, model.remat
 
     def stage(w, valid, x, pos, seg, keys=None, rows=None, sums=None, at=None):
