@@ -74,13 +74,17 @@ tokens per step = global batch / (data x fsdp x expert) x seq):
               M x repeats + P - 1 ticks, 1F1B: M + 2P - 2), the other stages' rows of the
               stack's input sent to stage 0 and their gradient back, and (GPipe/circular) of its
               output from the last stage and back, A times; 1F1B: the epilogue's rows each tick.
-The compute lower bound is r1jax.train.mfu.flops_per_token (6 x activated parameters +
-attention; no remat recompute, no redundant pipeline prologue) x the step's tokens / devices,
-over the datasheet dense peak of the compute dtype (mfu.GPU_PEAKS). Nothing is assumed to
-overlap: every collective runs alone, IB and NVLink parts one after the other, so
-`comm_bound` (communication seconds > compute seconds) says the step is bound by communication
-even if all of it hid behind compute. Not counted: the head's softmax statistics over tensor,
-the router's weights and choices gathered by the dropless exchange, and collective buffers.
+The compute lower bound is the FLOPs the step runs: r1jax.train.mfu.flops_per_token (6 x
+activated parameters + attention) x the step's tokens / devices, plus the forwards r1jax runs
+again (remat full: every decoder layer; stage_remat and 1F1B's backward tick: the stage, as
+`exchange_passes` counts them), the pipelined stack's share spread over the schedule's ticks,
+bubble included, over the datasheet dense peak of the compute dtype (mfu.GPU_PEAKS). The
+communication's lower bound is the busier of a GPU's two links, all of its InfiniBand bytes at
+the IB rate or all of its NVLink bytes at the NVLink rate (`serial_s`: every collective alone,
+IB and NVLink parts one after the other). `comm_bound` (communication seconds > compute
+seconds) says the step is bound by communication even if all of it hid behind compute and
+the two links ran side by side. Not counted: the head's softmax statistics over tensor, the
+router's weights and choices gathered by the dropless exchange, and collective buffers.
 
 How the activation model was built: the inventory follows r1jax's code (mla.py, moe.py,
 dispatch.py, transformer.py, pipeline.py); how many copies of each tensor XLA keeps at each point
@@ -956,23 +960,70 @@ def _exchange(m: configlib.ModelConfig, g: Geometry, rows: int) -> tuple[tuple, 
     return ("dispatch + combine",), ("all_gather",), (n * dt,), (n * F32,)
 
 
-def compute_bound(cfg: Config, devices: int, hw: Hardware) -> dict[str, float]:
-    """Training FLOPs per device per step (r1jax.train.mfu's model FLOPs: 6 x activated
-    parameters + attention, spread evenly; no remat recompute) over the datasheet peak."""
+def _forward_flops(cfg: Config) -> dict[str, float]:
+    """Forward FLOPs per token of the decoder layers, by where they run: the pipelined MoE
+    stack's layers (`stack`) and the layers outside it (`outside`: the dense prefix and the
+    MTP blocks' own layers): 2 x their activated weights (routed experts k of E) + causal
+    attention's forward (T x heads x (qk + v) a layer, the third of mfu's attention term that
+    is the forward). The embedding lookup, the head and the loss are not in it (remat does not
+    recompute them)."""
+    m, T = cfg.model, cfg.data.seq_len
+    frac = m.num_experts_per_tok / max(m.n_routed_experts, 1)
+    from r1jax.model.params import ROUTED
+    weights = {"moe_layers": 0.0, "dense_layers": 0.0, "mtp": 0.0}
+    for leaf in leaves(m):
+        part = leaf.path.split("/")[0]
+        if part in weights and leaf.trainable and "norm" not in leaf.path:
+            n = math.prod(leaf.shape)
+            weights[part] += n * frac if leaf.path.rsplit("/", 1)[-1] in ROUTED else n
+    attn = T * m.num_attention_heads * (m.qk_head_dim + m.v_head_dim)
+    return {"stack": 2 * weights["moe_layers"] + attn * m.num_moe_layers,
+            "outside": 2 * (weights["dense_layers"] + weights["mtp"])
+            + attn * (m.first_k_dense_replace + m.num_nextn_predict_layers)}
+
+
+def compute_bound(cfg: Config, mesh: dict[str, int], hw: Hardware) -> dict[str, float]:
+    """The step's compute per device at the datasheet peak of the compute dtype: the model FLOPs
+    (r1jax.train.mfu.flops_per_token: 6 x activated parameters + attention) x the step's tokens /
+    devices, plus the forwards r1jax runs again: under remat full every decoder layer once, and a
+    pipeline stage recomputed from its input (stage_remat, 1F1B's backward tick) once more, as
+    many times as `exchange_passes` counts the way to the experts beyond forward and backward.
+    Other remat policies' partial recomputes are not counted, so it stays a lower bound. The
+    pipelined stack's share is spread over the schedule's ticks (`pipeline.bubble`: a stage
+    idles in the bubble), the rest is not. `model_s` is the model FLOPs alone at the peak."""
+    from r1jax.parallel.pipeline import bubble
     from r1jax.train.mfu import GPU_PEAKS, flops_per_token
-    T = cfg.data.seq_len
-    flops = flops_per_token(cfg.model, T) * cfg.train.global_batch_size * T / devices
-    peak = GPU_PEAKS[hw.gpu]["fp32" if cfg.train.dtype is DType.fp32 else "bf16"]
-    return {"flops_per_device": flops, "peak_flops": peak, "compute_s": flops / peak}
+    t, T = cfg.train, cfg.data.seq_len
+    devices = math.prod(mesh.values())
+    tokens = t.global_batch_size * T / devices
+    model = flops_per_token(cfg.model, T) * tokens
+    fwd = _forward_flops(cfg)
+    full = t.remat is Remat.full
+    P = mesh.get("pipeline", 1)
+    onefoneb = P > 1 and cfg.pipeline.schedule is Schedule.onefoneb
+    layout = _layout(cfg, mesh)
+    s = P > 1 and (cfg.pipeline.stage_remat or onefoneb)
+    several = s and (onefoneb or layout.chunk > 1)
+    again = {"stack": (full or s) + (several and full), "outside": int(full)}
+    recompute = sum(again[k] * fwd[k] for k in fwd) * tokens
+    # the stack's FLOPs of the model and its recompute: 3 forwards' worth of its layers (6 x
+    # weights + 3 x attention), and what runs again
+    stack = (3 * fwd["stack"] + again["stack"] * fwd["stack"]) * tokens if cfg.model.num_moe_layers else 0.0
+    idle = bubble(P, t.microbatches, layout.repeats, cfg.pipeline.schedule) if P > 1 and layout else 0.0
+    peak = GPU_PEAKS[hw.gpu]["fp32" if t.dtype is DType.fp32 else "bf16"]
+    seconds = (model + recompute + stack * idle / (1 - idle)) / peak
+    return {"flops_per_device": model, "recompute_flops": recompute, "bubble": idle,
+            "peak_flops": peak, "model_s": model / peak, "compute_s": seconds}
 
 
 def communication(cfg: Config, mesh: dict[str, int], dcn: dict[str, int], hardware: str, g: Geometry
                   ) -> dict[str, Any]:
     """Bytes each device moves per optimizer step over each mesh axis of size > 1, the link
     (NVLink when the axis stays inside a node, else InfiniBand), the seconds at the hardware's
-    link rates, and the compute lower bound. Nothing overlaps: collectives run one after another
-    and beside no compute, so `comm_bound` (comm_s > compute_s) means the step is slower than
-    its compute even if every transfer hid behind it."""
+    link rates, and the compute lower bound (`compute_bound`). `comm_s` is the busier link's
+    seconds (`ib_s`, `nvlink_s`), `serial_s` every collective's one after another; `comm_bound`
+    (comm_s > compute_s) means the step is slower than its compute even if every transfer hid
+    behind it and the two links ran side by side."""
     hw = hardware_spec(hardware)
     grid = _node_grid(tuple(mesh[a] for a in AXES), tuple(dcn[a] for a in AXES), hw.gpus_per_node)
     spans = {a: _span(grid, a) for a in AXES if mesh[a] > 1}
@@ -993,9 +1044,14 @@ def communication(cfg: Config, mesh: dict[str, int], dcn: dict[str, int], hardwa
     for row in axes.values():
         row["bytes"] = row["nvlink_bytes"] + row["ib_bytes"]
         row["seconds"] = row["nvlink_bytes"] / hw.nvlink + row["ib_bytes"] / hw.ib
-    comp = compute_bound(cfg, math.prod(mesh.values()), hw)
-    comm_s = sum(row["seconds"] for row in axes.values())
-    return {"axes": axes, **comp, "comm_s": comm_s, "ratio": comm_s / comp["compute_s"],
+    comp = compute_bound(cfg, mesh, hw)
+    # a GPU's NVLink and its NIC are separate links: at best each is busy the whole step, so the
+    # communication takes at least the busier one's time (the sum: every collective alone)
+    ib_s = sum(row["ib_bytes"] for row in axes.values()) / hw.ib
+    nvlink_s = sum(row["nvlink_bytes"] for row in axes.values()) / hw.nvlink
+    comm_s = max(ib_s, nvlink_s)
+    return {"axes": axes, **comp, "comm_s": comm_s, "ib_s": ib_s, "nvlink_s": nvlink_s,
+            "serial_s": sum(row["seconds"] for row in axes.values()), "ratio": comm_s / comp["compute_s"],
             "comm_bound": comm_s > comp["compute_s"], "nvlink_rate": hw.nvlink, "ib_rate": hw.ib}
 
 
@@ -1271,7 +1327,7 @@ def comm_report(c: dict[str, Any]) -> list[str]:
     """The communication table: per mesh axis, where its groups sit, the link, GB per step
     (all, and over InfiniBand), seconds; then the compute lower bound and the verdict."""
     lines = [f"communication per optimizer step, per device (NVLink {c['nvlink_rate'] / 1e9:.0f} GB/s, InfiniBand "
-             f"{c['ib_rate'] / 1e9:.0f} GB/s per GPU; ring collectives, hierarchical across nodes; no overlap):"]
+             f"{c['ib_rate'] / 1e9:.0f} GB/s per GPU; ring collectives, hierarchical across nodes):"]
     head = f"{'axis':<10}{'size':>6}  {'groups':<22}{'link':<12}{'GB/step':>10}{'over IB':>10}{'seconds':>10}  what"
     lines.append(head)
     for axis, row in c["axes"].items():
@@ -1281,8 +1337,13 @@ def comm_report(c: dict[str, Any]) -> list[str]:
         link = "InfiniBand" if row["link"] == "ib" else "NVLink"
         lines.append(f"{axis:<10}{row['size']:>6}  {where:<22}{link:<12}{_num(row['bytes'] / 1e9):>10}"
                      f"{_num(row['ib_bytes'] / 1e9):>10}{_num(row['seconds']):>10}  {what}")
-    lines.append(f"compute lower bound: {c['flops_per_device'] / 1e12:,.1f} TFLOP per device per step (model FLOPs) "
-                 f"at {c['peak_flops'] / 1e12:,.0f} TFLOP/s peak = {_num(c['compute_s'])} s")
+    lines.append(f"links: InfiniBand {_num(c['ib_s'])} s, NVLink {_num(c['nvlink_s'])} s; communication at least the "
+                 f"busier link's {_num(c['comm_s'])} s (every collective one after another: {_num(c['serial_s'])} s)")
+    again = (f" + {c['recompute_flops'] / 1e12:,.1f} recomputed" if c["recompute_flops"] else "")
+    idle = f", the stack's share over the ticks (bubble {c['bubble']:.1%})" if c["bubble"] else ""
+    lines.append(f"compute lower bound: {c['flops_per_device'] / 1e12:,.1f} TFLOP per device per step (model FLOPs)"
+                 f"{again} at {c['peak_flops'] / 1e12:,.0f} TFLOP/s peak{idle} = {_num(c['compute_s'])} s "
+                 f"(model FLOPs alone {_num(c['model_s'])} s)")
     verdict = "COMM-BOUND" if c["comm_bound"] else "compute-bound"
     lines.append(f"{verdict}: communication {_num(c['comm_s'])} s vs compute {_num(c['compute_s'])} s "
                  f"({c['ratio']:.2g}x)")

@@ -260,6 +260,67 @@ def test_fsdp32_x_expert8_on_256_h100_fits_but_is_comm_bound():
     assert r["comm_bound"] and r["comm"]["comm_s"] > 10 * r["comm"]["compute_s"]
 
 
+def test_compute_bound_counts_the_recomputed_forwards_and_the_bubble():
+    """The compute side of `comm_bound` is the FLOPs the step runs: remat full recomputes every
+    decoder layer's forward (a third of the model FLOPs of all but the head: mfu's 6 x weights +
+    attention is forward, and backward twice), and a pipeline stage idles through the bubble, so
+    the stack's FLOPs stretch by the ticks over the useful ticks. The stack's model FLOPs here are
+    mfu's count of the model less that of the model without its MoE layers."""
+    import dataclasses
+
+    from r1jax.parallel.pipeline import bubble
+    from r1jax.train.mfu import flops_per_token
+    hw = plan.hardware_spec("h100-80gb")
+    mesh = {**dict.fromkeys(plan.AXES, 1), "fsdp": 32, "expert": 8}
+    cfg = plan.load_for_mesh(DSV3, [*H100_256, "train.global_batch_size=256", "train.microbatches=1",
+                                    "train.epilogue_chunks=1"], {"fsdp": 32, "expert": 8})
+    m, T = cfg.model, cfg.data.seq_len
+    tokens = 256 * T / 256
+    c = plan.compute_bound(cfg, mesh, hw)
+    head = 6 * m.vocab_size * m.hidden_size * (1 + m.num_nextn_predict_layers) * tokens
+    assert c["flops_per_device"] == pytest.approx(flops_per_token(m, T) * tokens)
+    assert c["recompute_flops"] == pytest.approx((c["flops_per_device"] - head) / 3, rel=1e-4)
+    assert c["compute_s"] == pytest.approx((c["flops_per_device"] + c["recompute_flops"]) / 989e12)
+    none = plan.compute_bound(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, remat=configlib.Remat.none)),
+                              mesh, hw)
+    assert none["recompute_flops"] == 0 and none["compute_s"] == pytest.approx(none["model_s"])
+    # GPipe on 16 stages, 16 microbatches, no remat: 15 of 31 ticks idle
+    mesh = {**dict.fromkeys(plan.AXES, 1), "data": 2, "expert": 64, "pipeline": 16}
+    cfg = plan.load_for_mesh(DSV3, ["train.remat=none", "pipeline.schedule=gpipe", "pipeline.repeats=1",
+                                    "pipeline.stage_remat=false", "train.global_batch_size=2048",
+                                    "train.microbatches=16", "train.epilogue_chunks=1"], mesh)
+    c = plan.compute_bound(cfg, mesh, hw)
+    no_moe = dataclasses.replace(cfg.model, num_hidden_layers=cfg.model.first_k_dense_replace)
+    tokens = 2048 * T / 2048
+    stack = (flops_per_token(cfg.model, T) - flops_per_token(no_moe, T)) * tokens
+    b = bubble(16, 16)
+    assert b == pytest.approx(15 / 31) and c["bubble"] == pytest.approx(b) and c["recompute_flops"] == 0
+    assert c["compute_s"] * 989e12 == pytest.approx(c["flops_per_device"] + stack * b / (1 - b), rel=1e-4)
+
+
+def test_256_h100_pipeline8_x_expert32_fits_and_is_not_comm_bound(tmp_path):
+    """The 256-GPU target: pipeline 8 across nodes x expert 32 (8 GPUs x 4 nodes), circular over 16
+    microbatches of 512 rows, the hierarchical exchange with FP8 on the way to the experts. It fits
+    (67.85 GiB) and its busier link, InfiniBand (138 GB a step: the exchange and the pipeline
+    axis), takes less than its compute (model FLOPs, remat's recomputed forward, the 9.9% bubble).
+    Summed one collective after another it would not be (3.32 s); and with a bf16 way there it
+    is flagged: the margin is that thin."""
+    argv = ["--config", str(DSV3), "--nodes", "32", "--mesh", "expert=32,pipeline=8,dcn_expert=4,dcn_pipeline=8",
+            "train.global_batch_size=512", "train.microbatches=16", "pipeline.stage_remat=false",
+            "kernels.moe_dispatch=hierarchical", "kernels.moe_buffer_factor=1.25"]
+    data = _run([*argv, "kernels.moe_exchange_fp8=true"], tmp_path)
+    c = data["comm"]
+    print(f"\n{chr(10).join(plan.comm_report(c))}\ntotal {data['total'] / 2**30:.2f} GiB")
+    assert data["fits"] and data["refused"] is None and data["total"] < 70 * 2**30
+    assert {a: (r["gpus_per_node"], r["nodes"]) for a, r in c["axes"].items()} == {"expert": (8, 4), "pipeline": (1, 8)}
+    ib = sum(r["ib_bytes"] for r in c["axes"].values())
+    assert c["comm_s"] == pytest.approx(ib / 50e9) == pytest.approx(c["ib_s"]) and c["ib_s"] > c["nvlink_s"]
+    assert c["serial_s"] == pytest.approx(sum(r["seconds"] for r in c["axes"].values()))
+    assert data["comm_bound"] is False and c["ratio"] < 0.9
+    assert c["serial_s"] > c["compute_s"]
+    assert _run(argv, tmp_path)["comm_bound"] is True
+
+
 def test_deepseek_layout_communication(tmp_path):
     """DeepSeek's layout, node-aware (EP64 = 8 GPUs x 8 nodes): its IB traffic is the expert
     exchange, the all-to-all of the capacity dispatch's [E, C, D] bf16 buffers, to the experts
