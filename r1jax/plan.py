@@ -19,8 +19,8 @@ planned mesh sizes, by arithmetic (a 2048-device mesh is never built). What is c
   `pipeline`; everything else is sharded over `pipeline` as over fsdp (no stage holds it whole,
   r1jax/parallel/mesh.py), and a layer of it is gathered where it runs (its working set);
 - the step's temporaries (XLA's `temp`): fp32 gradients (sharded like the parameters; with
-  grad_accum > 1 the running sum plus one microbatch's; where a stack's backward adds into the sum,
-  unpipelined under remat full and the MoE stack under GPipe and circular, of it one layer's; 1F1B's
+  grad_accum > 1 the running sum plus one microbatch's, of which a stack's (its backward adds
+  into the sum: unpipelined, and the MoE stack under GPipe and circular) only one layer's; 1F1B's
   tick loop sums into it), what each layer saves for its backward
   under `train.remat` (one stacked buffer per scanned stack; GPipe/circular keep every tick's),
   the fp32 logits of the head and the MTP heads with their gradient, and the working set of the
@@ -606,12 +606,11 @@ def _phases(cfg: Config, mesh: dict[str, int], st: dict, g: Geometry) -> list[tu
     g_moe = parts.get("moe_layers", 0)
     accum = grads_all if t.grad_accum > 1 else 0       # the scanned running sum of the gradients
     # a stack's backward adds its gradients into that sum, so that of them one layer's are a
-    # microbatch's own: unpipelined under remat full (r1jax/model/accumulate.py), and the MoE
-    # stack's under GPipe and circular, whose ticks carry the sum (pipeline.trunk); 1F1B's tick
-    # loop starts its sums from it (below)
+    # microbatch's own: unpipelined (r1jax/model/accumulate.py), and the MoE stack's under GPipe
+    # and circular, whose ticks carry the sum (pipeline.trunk); 1F1B's tick loop starts its sums
+    # from it (below)
     onefoneb = P > 1 and cfg.pipeline.schedule is Schedule.onefoneb
-    dense_in = t.grad_accum > 1 and remat is Remat.full and not onefoneb
-    moe_in = t.grad_accum > 1 and (remat is Remat.full or P > 1) and not onefoneb
+    dense_in = moe_in = t.grad_accum > 1 and not onefoneb
     slots = _layout(cfg, mesh).slots // P if P > 1 and n_moe else n_moe
     layer_of = {k: parts.get(k, 0) // n for k, n in (("moe_layers", slots), ("dense_layers", n_dense)) if n}
     g_moe_own = layer_of.get("moe_layers", 0) if moe_in else g_moe

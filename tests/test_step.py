@@ -55,11 +55,12 @@ def _params(state):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("remat", ["none", "full"])
+@pytest.mark.parametrize("remat", ["none", "full", "save_attention"])
 def test_grad_accumulation_equals_the_large_batch(remat):
     """SGD with lr 1 makes the parameter change the gradient itself (Adam's first step is
     ~lr*sign(g), which turns fp32 rounding of near-zero gradients into lr-sized differences).
-    Under remat full the stacks' backward adds into the running sum itself (model/accumulate.py)."""
+    The stacks' backward adds into the running sum itself (model/accumulate.py), replaying each
+    layer's pullback under the remat policy."""
     batch = _batch(_cfg())
     out = {}
     for accum in (1, 4):
@@ -80,14 +81,17 @@ def test_grad_accumulation_equals_the_large_batch(remat):
 
 
 @pytest.mark.slow
-def test_grad_accumulation_under_remat_full_keeps_one_gradient_buffer():
-    """Unpipelined under remat full the stacks' backward adds each layer's gradients into the
-    running sum (model/accumulate.py): grad_accum 2 needs, over grad_accum 1 on the same
-    microbatch, at most the parts outside the stacks' gradients and one MoE layer's, not a
-    second copy of the stacks' (autodiff's scan writes a microbatch's into a fresh buffer first:
-    80.6 MiB more here, against 16.2 MiB measured). SGD keeps the optimizer's own phase low."""
+@pytest.mark.parametrize("remat", ["full", "none"])
+def test_grad_accumulation_keeps_one_gradient_buffer(remat):
+    """Unpipelined the stacks' backward adds each layer's gradients into the running sum
+    (model/accumulate.py), under every remat policy: grad_accum 2 needs, over grad_accum 1 on the
+    same microbatch, at most the parts outside the stacks' gradients and one MoE layer's, not a
+    second copy of the stacks' (autodiff's scan writes a microbatch's into a fresh buffer first).
+    Measured here: remat full 80.6 -> 16.5 MiB; remat none 82.1 -> 19.6 (save_dots 82.4 -> 17.6,
+    save_attention and offload 15.3): autodiff's second buffer before, the one sum now.
+    SGD keeps the optimizer's own phase low."""
     shape = ["model.hidden_size=256", "model.intermediate_size=1024", "model.moe_intermediate_size=256",
-             "model.num_hidden_layers=6", "model.n_routed_experts=16", "train.remat=full"]
+             "model.num_hidden_layers=6", "model.n_routed_experts=16", f"train.remat={remat}"]
     temp = {}
     for accum in (1, 2):
         cfg = _cfg(*shape, f"train.grad_accum={accum}", f"train.global_batch_size={32 * accum}")
@@ -109,15 +113,14 @@ _WEIGHTY = ["model.hidden_size=256", "model.intermediate_size=1024", "model.moe_
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["circular", "1f1b", "gpipe_remat_full"])
 def test_pipelined_grad_accumulation_keeps_one_gradient_buffer(schedule):
-    """GPipe and circular carry the running sum through their ticks, which add each tick's stack
-    gradients into it (pipeline.trunk: under remat full the stage's own backward adds each layer's,
-    accumulate.scan_into; else accumulate.routed); 1F1B's tick loop starts its gradient sums from
-    it. grad_accum 2 then needs, over grad_accum 1 on the same microbatch, at most the gradients
-    outside the MoE stack and one of its layers' (30.58 MiB here), not a second copy of a stage's
-    stack gradients beside the sum: measured on 2 stages, circular (2 repeats) 76.05 -> 24.25 MiB,
-    1F1B 51.46 -> 3.79 MiB (GPipe 65.41 -> 26.56); GPipe under remat full 62.56 -> 24.22 (the
-    stage's autodiff had written the tick's stage gradients out before adding them). Their
-    numbers: test_mesh's *_accum2 and *_remat_full pipelines."""
+    """GPipe and circular carry the running sum through their ticks, whose stage backward adds each
+    layer's gradients into it (pipeline.trunk, accumulate.scan_into); 1F1B's tick loop starts its
+    gradient sums from it. grad_accum 2 then needs, over grad_accum 1 on the same microbatch, at
+    most the gradients outside the MoE stack and one of its layers' (30.58 MiB here), not a
+    second copy of a stage's stack gradients beside the sum: measured on 2 stages, remat none,
+    circular (2 repeats) 76.05 -> 24.25 MiB when the ticks' autodiff added into the carried sum,
+    12.61 now, 1F1B 51.46 -> 3.79 MiB (GPipe 65.41 -> 26.56 -> 22.58); GPipe under remat full
+    62.56 -> 24.22. Their numbers: test_mesh's *_accum2 and *_remat_full pipelines."""
     shape = _WEIGHTY + ["train.microbatches=2", f"pipeline.schedule={schedule.split('_')[0]}"]
     shape += {"circular": ["pipeline.repeats=2"], "gpipe_remat_full": ["train.remat=full"]}.get(schedule, [])
     temp = {}

@@ -4,10 +4,15 @@ The step keeps a running fp32 sum of the gradients over its microbatches. Autodi
 stack would first write a microbatch's weight gradients into a fresh [layers, ...] buffer (JAX's
 scan transpose emits them as the loop's outputs, and starts a loop constant's gradient sum from
 zeros), and only then add it to the sum: two fp32 copies of the stack's gradients at the end of
-every microbatch's backward. Here the stack's backward is written out instead: it walks the
-layers in reverse with the running sum in its carry, recomputes each layer from its saved input
-(what `remat: full` saves and recomputes anyway) and adds that layer's weight gradients into
-the sum's slice in place. Besides the sum, one layer's gradients are live at a time.
+every microbatch's backward. Here the stack's backward is written out instead: the forward
+takes each layer's VJP under the remat policy (`jax.vjp` of the checkpointed layer: its pullback
+holds what the policy keeps, for `remat: full` the layer's input alone) and keeps the pullback's
+arrays stacked over the layers, except those that are the layer's own inputs (its weights, its
+per-layer inputs, the rope tables), which the backward reads again rather than keeping a copy per
+layer; the backward walks the layers in reverse with the running sum in its carry, calls each
+layer's pullback (recomputing what the policy did not keep) and adds that layer's weight
+gradients into the sum's slice in place. Besides the sum, one layer's gradients are live at a
+time, under every remat policy.
 
 The train step (r1jax/train/step.py) opens `into(sums)` around one microbatch's forward: a stack
 whose number (`Stack.__call__`'s `stack`) has a sum there runs `scan`, which hands the sum on as
@@ -23,7 +28,6 @@ from typing import Any, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from r1jax.model import lora as loralib
 
@@ -54,22 +58,24 @@ def running(stack: int) -> Sums | None:
     return box if box is not None and stack in box.sums else None
 
 
-def scan(layer: Callable, flat: dict[tuple, jax.Array], x: jax.Array, xs: Any, env: Any, stack: int):
-    """The stack's forward (x, aux stacked over layers) like `transformer.scan_blocks` under
-    remat full, with the gradients of the leaves of `flat` ({path in the stack: [n, ...]}, the
-    stack's state) that have a sum in the open `into` added to it. `layer(flat_layer, h, xs_i,
-    env) -> (y, aux)` runs one layer from its flat state; `xs` (integer or otherwise constant
+def scan(layer: Callable, flat: dict[tuple, jax.Array], x: jax.Array, xs: Any, env: Any, stack: int,
+         checkpoint: Callable = lambda f: f):
+    """The stack's forward (x, aux stacked over layers) like `transformer.scan_blocks`, with the
+    gradients of the leaves of `flat` ({path in the stack: [n, ...]}, the stack's state) that
+    have a sum in the open `into` added to it. `layer(flat_layer, h, xs_i, env) -> (y, aux)`
+    runs one layer from its flat state; `checkpoint` wraps it in the remat policy (what each
+    layer's backward keeps and what it recomputes); `xs` (integer or otherwise constant
     per-layer inputs) and `env` (arrays every layer reads, e.g. the rope tables: passed, not
-    closed over, since the backward is traced after a loop body around the stack has closed) get
-    no gradient, nor do the leaves without a sum. Of aux only `balance` (the MoE balance loss)
-    carries a gradient."""
+    closed over, since the backward is traced after a loop body around the stack has closed)
+    get no gradient, nor do the leaves without a sum. Of aux only `balance` (the MoE balance
+    loss) carries a gradient."""
     box = _SUMS.get()
-    x, aux, box.out[stack] = scan_into(layer, flat, x, xs, env, box.sums[stack])
+    x, aux, box.out[stack] = scan_into(layer, flat, x, xs, env, box.sums[stack], checkpoint=checkpoint)
     return x, aux
 
 
 def scan_into(layer: Callable, flat: dict[tuple, jax.Array], x: jax.Array, xs: Any, env: Any,
-              sums: dict[tuple, jax.Array], at: jax.Array | None = None):
+              sums: dict[tuple, jax.Array], at: jax.Array | None = None, checkpoint: Callable = lambda f: f):
     """`scan` with the sums passed in rather than found in an open `into`: (y, aux, sums), where
     the sums come out as they went in and their cotangent goes back with this stack's gradients
     added into it in place. A loop that carries the sums through this (the pipeline's ticks,
@@ -83,12 +89,12 @@ def scan_into(layer: Callable, flat: dict[tuple, jax.Array], x: jax.Array, xs: A
     # LoRA dropout's context is opened again when the backward is traced, after the forward's
     # `with` has closed: its arrays travel with the inputs (key None: no dropout)
     key, rate, rows = loralib.context() or (None, 0.0, None)
-    return _stack(layer, rate, live, const, x, (xs, env), sums, at, (key, rows))
+    return _stack(layer, rate, checkpoint, _Kept(), live, const, x, (xs, env), sums, at, (key, rows))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _stack(layer, rate, live, const, x, xs, sums, at, ctx):
-    return _forward(layer, rate, live, const, x, xs, at, ctx)[:2] + (sums,)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _stack(layer, rate, checkpoint, kept, live, const, x, xs, sums, at, ctx):
+    return _forward(layer, rate, live, const, x, xs, at, ctx) + (sums,)
 
 
 def _slice(at, *trees):
@@ -97,45 +103,87 @@ def _slice(at, *trees):
 
 def _forward(layer, rate, live, const, x, xs, at, ctx):
     live, const = _slice(at, live, const)
+
     def body(h, inp):
         with loralib.dropout(ctx[0], rate, ctx[1]):
             y, aux = layer({**inp[1], **inp[0]}, h, inp[2], xs[1])
-        return y, (h, aux)
+        return y, aux
 
-    y, (hs, aux) = jax.lax.scan(body, x, (live, const, xs[0]))
-    return y, aux, hs
-
-
-def _stack_fwd(layer, rate, live, const, x, xs, sums, at, ctx):
-    y, aux, hs = _forward(layer, rate, live, const, x, xs, at, ctx)
-    return (y, aux, sums), (live, const, xs, hs, at, ctx)
+    return jax.lax.scan(body, x, (live, const, xs[0]))
 
 
-def _stack_bwd(layer, rate, res, cts):
-    live, const, xs, hs, at, ctx = res
+def _layer_vjp(layer, rate, checkpoint, w, cv, h, xi, env, ctx):
+    """One layer's ((y, balance), pullback, aux), differentiated in w (its leaves with a sum) and
+    h, under the remat policy `checkpoint`: the pullback holds what the policy keeps."""
+    def one(w, hh):
+        with loralib.dropout(ctx[0], rate, ctx[1]):
+            y, aux = layer({**cv, **w}, hh, xi, env)
+        return (y, aux["balance"] if "balance" in aux else jnp.float32(0)), aux
+
+    return jax.vjp(checkpoint(one), w, h, has_aux=True)
+
+
+class _Kept:
+    """(One per stack call, passed as a static argument: the custom VJP's residuals must be arrays.)
+    Where each leaf of a layer's pullback comes from in the backward (filled in when the
+    forward is traced): a per-layer input ('live', 'const', 'xs': sliced at the layer again),
+    an input every layer shares ('env', 'ctx'), a concrete constant, or the forward's stacked
+    outputs ('stacked'). Only the last are kept per layer; the rest are read again, so the
+    backward keeps the weights once, as the loop's input, not a per-layer copy of them."""
+    tree: Any = None
+    spec: list = ()
+
+
+def _stack_fwd(layer, rate, checkpoint, kept, live, const, x, xs, sums, at, ctx):
+    xs_, env = xs
+
+    def body(h, inp):
+        lv, cv, xi = inp
+        (y, _), back, aux = _layer_vjp(layer, rate, checkpoint, lv, cv, h, xi, env, ctx)
+        leaves, kept.tree = jax.tree.flatten(back)
+        sources = {}
+        for name, tree in (("live", lv), ("const", cv), ("xs", xi), ("env", env), ("ctx", ctx)):
+            for j, leaf in enumerate(jax.tree.leaves(tree)):
+                sources.setdefault(id(leaf), (name, j))
+        kept.spec, stacked = [], []
+        for leaf in leaves:
+            if id(leaf) in sources:
+                kept.spec.append(sources[id(leaf)])
+            elif not isinstance(leaf, jax.core.Tracer):
+                kept.spec.append(("value", leaf))
+            else:
+                kept.spec.append(("stacked", len(stacked)))
+                stacked.append(leaf)
+        return y, (aux, stacked)
+
+    live_s, const_s = _slice(at, live, const)
+    y, (aux, stacked) = jax.lax.scan(body, x, (live_s, const_s, xs_))
+    return (y, aux, sums), (live, const, xs, stacked, at, ctx)
+
+
+def _stack_bwd(layer, rate, checkpoint, kept, res, cts):
+    live, const, xs, stacked, at, ctx = res
     live, const = _slice(at, live, const)
     ct_y, ct_aux, ct_sums = cts
-    n = hs.shape[0]
+    xs_, env = xs
+    n = jax.tree.leaves(live)[0].shape[0]
+    shared = {"env": jax.tree.leaves(env), "ctx": jax.tree.leaves(ctx)}
 
     def body(carry, inp):
         ct_h, acc = carry
-        i, lv, cv, xi, h, ct_bal = inp
-
-        def one(w, hh):
-            with loralib.dropout(ctx[0], rate, ctx[1]):
-                y, aux = layer({**cv, **w}, hh, xi, env)
-            return (y, aux["balance"] if "balance" in aux else jnp.float32(0)), None
-
+        i, lv, cv, xi, st, ct_bal = inp
+        here = {"live": jax.tree.leaves(lv), "const": jax.tree.leaves(cv), "xs": jax.tree.leaves(xi),
+                "stacked": st, **shared}
+        leaves = [j if name == "value" else here[name][j] for name, j in kept.spec]
         # (a compute-dtype copy's gradient, summed over its uses inside the layer in that dtype as
         # a tapped one's is, `layers.tap`, joins the fp32 sum here)
-        _, back, _ = jax.vjp(one, lv, h, has_aux=True)
-        g, ct_in = back((ct_h, ct_bal))
+        g, ct_in = jax.tree.unflatten(kept.tree, leaves)((ct_h, ct_bal))
         acc = {k: _add_at(a, g[k], i if at is None else (at, i)) for k, a in acc.items()}
         return (ct_in, acc), None
 
     ct_bal = ct_aux["balance"] if "balance" in ct_aux else jnp.zeros((n,), jnp.float32)
-    xs, env = xs
-    (ct_x, acc), _ = jax.lax.scan(body, (ct_y, ct_sums), (jnp.arange(n), live, const, xs, hs, ct_bal), reverse=True)
+    (ct_x, acc), _ = jax.lax.scan(body, (ct_y, ct_sums), (jnp.arange(n), live, const, xs_, stacked, ct_bal),
+                                  reverse=True)
     return None, None, ct_x, None, acc, None, None
 
 
@@ -150,27 +198,3 @@ def _add_at(a: jax.Array, g: jax.Array, index) -> jax.Array:
     shape = (*(1,) * len(index), *a.shape[len(index):])
     piece = jax.lax.dynamic_slice(a, start, shape) + g.astype(a.dtype).reshape(shape)
     return jax.lax.dynamic_update_slice(a, piece, start)
-
-
-def routed(state, sums: dict[tuple, jax.Array]):
-    """`state` (an nnx.State) with the gradient of each leaf that has a sum in `sums` ({path in
-    the state: array}) handed to that sum instead, cast to its dtype (`_route`). A loop that
-    carries the sums (the pipeline's ticks, r1jax/parallel/pipeline.py) then adds every tick's
-    gradients into them in place: the transposed loop's carry starts from the sums' cotangent,
-    which the step seeds with the running sum, where a loop constant's gradient starts from
-    zeros. The values are `state`'s: the forward never reads a sum."""
-    return nnx.from_flat_state([(p, v.replace(_route(v.get_value(), sums[p])) if p in sums else v)
-                                for p, v in nnx.to_flat_state(state)])
-
-
-@jax.custom_jvp
-def _route(w, s):
-    return w
-
-
-@_route.defjvp
-def _route_jvp(primals, tangents):
-    # the primal out is `w` itself; the tangent is the sum's alone (linear), so the transpose
-    # hands `w`'s cotangent to the sum, in the sum's dtype
-    w, s = primals
-    return w, tangents[1].astype(w.dtype)

@@ -14,6 +14,7 @@ left by k, so the last k positions hold wrapped values that the loss masks out.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
@@ -99,8 +100,8 @@ def scan_blocks(graphdef, state, x, cos, sin, segment_ids, remat: Remat, valid=N
     `valid` [n] bool marks real layers; a padding slot (False) passes its input through and
     reports zero load, drops and balance loss, so its (zero) parameters get exactly zero gradient.
     `replay` [n, B, T, k]: each layer's expert ids to replay (`moe.route`). `keys` [n]: each
-    layer's LoRA dropout key (`lora.layer_keys`). Under remat full the backward adds the layers'
-    gradients in place into a running fp32 sum (r1jax/model/accumulate.py): `stack` (the model's
+    layer's LoRA dropout key (`lora.layer_keys`). The backward can add the layers' gradients
+    in place into a running fp32 sum (r1jax/model/accumulate.py): `stack` (the model's
     stack number) finds it in an open `accumulate.into`; `sums` ({path in `state`: [n, ...]})
     passes it in, and then the return is (y, aux, sums). With `at`, `state` and `sums` are
     [R, n, ...] and the stack is their slice `at` (taken inside: `accumulate.scan_into`)."""
@@ -113,7 +114,7 @@ def scan_blocks(graphdef, state, x, cos, sin, segment_ids, remat: Remat, valid=N
         return jnp.where(ok, y, h), jax.tree.map(lambda a: jnp.where(ok, a, jnp.zeros_like(a)), aux)
 
     box = stack is not None and valid is None and accumulate.running(stack)
-    if remat is Remat.full and (box or sums is not None):
+    if box or sums is not None:
         template = list(nnx.to_flat_state(state))
 
         def layer(flat, h, xs_i, env):
@@ -123,10 +124,10 @@ def scan_blocks(graphdef, state, x, cos, sin, segment_ids, remat: Remat, valid=N
 
         flat = {p: v.get_value() for p, v in template}
         env = (cos, sin, segment_ids)
+        policy = functools.partial(_checkpointed, remat=remat)
         if sums is None:
-            return accumulate.scan(layer, flat, x, (valid, replay, keys), env, stack)
-        return accumulate.scan_into(layer, flat, x, (valid, replay, keys), env, sums, at)
-    assert sums is None, "a passed-in gradient sum is added to by remat full's backward only"
+            return accumulate.scan(layer, flat, x, (valid, replay, keys), env, stack, policy)
+        return accumulate.scan_into(layer, flat, x, (valid, replay, keys), env, sums, at, policy)
     return jax.lax.scan(_checkpointed(run, remat), x, (state, valid, replay, keys))
 
 

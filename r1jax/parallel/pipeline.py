@@ -44,11 +44,11 @@ for 1f1b: `bubble()`.
 
 Under `train.grad_accum` the ticks add the stack's gradients into the step's running fp32 sum,
 not into a buffer of their own: gpipe and circular carry the sum through the tick loop, whose
-transpose then starts its gradient carry from the sum the step seeds (`accumulate.routed`);
-1f1b starts its tick loop's gradient sums from it. Under `train.remat: full` a tick's stage
-backward adds each layer's gradients into that sum itself (`accumulate.scan_into`), so no
-tick writes its stage's gradients out beside the sum (gpipe and circular at grad_accum 1 too,
-into zeros).
+transpose then starts its gradient carry from the sum the step seeds; 1f1b starts its tick
+loop's gradient sums from it. A tick's stage backward adds each layer's
+gradients into that sum itself (`accumulate.scan_into`, under every remat policy), so no tick
+writes its stage's gradients out beside the sum (gpipe and circular at grad_accum 1 too, into
+zeros).
 """
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from r1jax import logical
-from r1jax.config import Config, Remat, Schedule
+from r1jax.config import Config, Schedule
 from r1jax.model import accumulate
 from r1jax.model import lora as loralib
 from r1jax.model import rope
@@ -281,7 +281,7 @@ def _give_back(own: jax.Array, v: jax.Array, f, M: int, src: int) -> jax.Array:
 def _stage_fn(model, graphdef, axes: tuple[str, ...] = (AXIS,)):
     """(w [C,...], valid [C], x, positions, segment_ids, keys [C, 2] | None, rows | None) ->
     (y, aux [C,...]): one stage's layers; under LoRA dropout with its layers' keys (as key data)
-    and the microbatch's row numbers. With `sums` (remat full: the running fp32 gradient sums of
+    and the microbatch's row numbers. With `sums` (the running fp32 gradient sums of
     w's leaves, which the backward adds each layer's gradients into; `scan_blocks`) it returns
     (y, aux, sums), and with `at` w and the sums are [R, C, ...] and the stage is repeat `at`."""
     cfg, dtype, remat = model.cfg, model.dtype, model.remat
@@ -339,8 +339,8 @@ def trunk(model, batch: dict, *, layout: Layout, microbatches: int, stage_remat:
     x, positions, segment_ids = model.prologue(input_ids, batch["positions"], batch["segment_ids"])
     x = logical.constrain(x, "batch", "seq", "act_embed")     # each stage its own rows, gathered entering the stages
     graphdef, state, valid = _stack_parts(model, layout)
-    # grad_accum: the step's running sum of the stack's gradients, which the ticks add into in
-    # place (their carry, `accumulate.routed`: in fp32, so no taps) and hand on (`Sums.out`)
+    # the step's running sum of the stack's gradients, which the ticks' stage backward adds into
+    # in place (their carry, `accumulate.scan_into`: in fp32, so no taps) and hand on (`Sums.out`)
     running = accumulate.running(MOE_STACK)
     sums = zs = None
     if running is not None:
@@ -355,15 +355,13 @@ def trunk(model, batch: dict, *, layout: Layout, microbatches: int, stage_remat:
         # (loop-invariant) stack once, not a copy of its repeat's slice every tick
         pick = functools.partial(jax.tree.map, lambda a: a[r])
         keys = None if keys is None else keys[r]
-        if sw is not None and model.remat is Remat.full:
+        if sw is not None:
             # the stage's own backward walks its layers adding each one's gradients into slice
             # r of the sums (model/accumulate.py): no [C, ...] stage gradient beside the sum;
             # it picks repeat r itself, so the backward keeps the whole stack once, not the
             # repeat's slice every tick
             return stage(w, valid[r], x, pos, seg, keys, rows, sums=sw, at=r)
         w = pick(w) if zw is None else tap(pick(w), pick(zw))
-        if sw is not None:
-            w = accumulate.routed(w, pick(sw))
         return (*stage(w, valid[r], x, pos, seg, keys, rows), sw)
 
     # (prevent_cse is for checkpoints outside a loop; inside the tick scan it only costs)
@@ -600,12 +598,11 @@ def loss_and_grads_1f1b(graphdef, params: nnx.State, rest: nnx.State, batch: dic
 
         masked = lambda on, t: jax.tree.map(lambda a: jnp.where(on, a, jnp.zeros_like(a)), t)   # noqa: E731
         bal_w = jnp.float32(balance_ct)
-        # under remat full the stage's backward adds each layer's gradients into the tick loop's
-        # sums itself (accumulate.scan_into), instead of writing the stage's [C, ...] gradients
-        # out beside them every tick; the recompute is the same (the stage from its input, each
-        # layer from its own). A tick without a microbatch adds zeros: its cotangents are zero
-        # and it recomputes a real, kept input (b clipped), so no product is inf or nan
-        in_place = model.remat is Remat.full
+        # the stage's backward adds each layer's gradients into the tick loop's sums itself
+        # (accumulate.scan_into), instead of writing the stage's [C, ...] gradients out beside
+        # them every tick; the recompute is the same (the stage from its input, each layer what
+        # the remat policy did not keep). A tick without a microbatch adds zeros: its cotangents
+        # are zero and it recomputes a real, kept input (b clipped), so no product is inf or nan
         prefix = "moe_layers/layers/"
         owned = [p for p, _ in nnx.to_flat_state(block_state(stack, rstack)) if prefix + _key(p) in stack]
 
@@ -650,12 +647,7 @@ def loss_and_grads_1f1b(graphdef, params: nnx.State, rest: nnx.State, batch: dic
             dy = jnp.where(last, dy_last, c["recv_b"])
             acc = c["acc"]
             ct = vary((jnp.where(on_b, dy, jnp.zeros_like(dy)), jnp.where(on_b, bal_w * scale, 0.0)))
-            if in_place:
-                d_x, dstack = back_into(inp[b % ring], b, ct, acc["dstack"])
-            else:
-                _, back_s, _ = jax.vjp(lambda st, xx: stage_w(st, xx, b), stack, inp[b % ring], has_aux=True)
-                d_stack, d_x = back_s(ct)
-                dstack = jax.tree.map(jnp.add, acc["dstack"], masked(on_b, d_stack))
+            d_x, dstack = back_into(inp[b % ring], b, ct, acc["dstack"])
             acc = {"loss": acc["loss"] + jnp.where(on_e, loss, 0.0) + jnp.where(on_f, bal * bal_w, 0.0),
                    "post": jax.tree.map(jnp.add, acc["post"], masked(on_e, stats)),
                    "aux": jax.tree.map(jnp.add, acc["aux"], masked(on_f, aux)),

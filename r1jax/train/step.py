@@ -3,8 +3,8 @@ and the eval step beside it. State is r1jax/train/state.py's pytree; the model's
 split once outside and merged inside, so both steps are pure functions.
 
 One step: the global batch is split into `train.grad_accum` microbatches (rows a, a+A, ... so
-each keeps its data sharding), scanned with gradients summed in fp32 (unpipelined under remat
-full the stacks' backward adds into the running sum itself: `into_sums`); within each, the trunk
+each keeps its data sharding), scanned with gradients summed in fp32 (the stacks' backward
+adds into the running sum itself, under every remat policy: `into_sums`); within each, the trunk
 (prologue and MoE stack, pipelined when the run is) and then the epilogue (final norm, head,
 MTP) and the objective in `train.epilogue_chunks` checkpointed row chunks. The loss is the
 objective's (r1jax/train/objectives.py) summed loss over the whole batch's `objective.tokens`,
@@ -231,16 +231,15 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, cfg: Config, mes
     else:
         grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
-    # the running gradient sum added to in place (one fp32 buffer) by the backward of each stack
-    # that runs unpipelined under remat full (r1jax/model/accumulate.py) or pipelined by GPipe or
-    # circular ticks (their carry, r1jax/parallel/pipeline.py); 1F1B's tick loop starts its own
-    # gradient sums from it (`loss_and_grads_1f1b`)
-    in_sums = set() if onefoneb else {
-        name for name, n in STACKS.items() if t.remat is Remat.full or (n == MOE_STACK and layout is not None)}
-    # (one microbatch too when pipelined under remat full: autodiff of the ticks would keep a
-    # tick's stage gradients beside the loop's sum of them, where the ticks add into zeros in
-    # place; circular 2 x 2 stages, tests/test_step.py's shape: XLA temp 308.5 -> 285.1 MiB)
-    in_place = bool(in_sums) and (accum > 1 or (layout is not None and t.remat is Remat.full))
+    # the running gradient sum added to in place (one fp32 buffer) by the backward of each stack,
+    # unpipelined (r1jax/model/accumulate.py) or pipelined by GPipe or circular ticks (their
+    # carry, r1jax/parallel/pipeline.py), under every remat policy; 1F1B's tick loop starts its
+    # own gradient sums from it (`loss_and_grads_1f1b`)
+    in_sums = set() if onefoneb else set(STACKS)
+    # (one microbatch too when pipelined: autodiff of the ticks would keep a tick's stage
+    # gradients beside the loop's sum of them, where the ticks add into zeros in place; circular
+    # 2 x 2 stages, remat full, tests/test_step.py's shape: XLA temp 308.5 -> 285.1 MiB)
+    in_place = bool(in_sums) and (accum > 1 or layout is not None)
 
     def into_sums(params, rest, mb, tokens, scale, key, sums, *, rows):
         """One microbatch's ((loss * scale, stats), sums + its gradients) with the stacks'
