@@ -193,6 +193,25 @@ def test_the_update_keeps_no_second_copy_of_the_state():
     assert c["rows"]["temp"]["xla"] < 1.9 * plan.state_bytes(cfg, {a: 1 for a in plan.AXES})["params"]
 
 
+def test_the_clip_takes_the_steps_gradient_norm():
+    """The step reduces its gradients to one norm, for the grad_norm metric and for the clip
+    (optax's extra arguments through the chain), where the clip inside the non-finite branch
+    reduced them again: the lowered step has as many scalar square roots with the clip as without
+    it (the gradient norm's and the parameter norm's). Given a norm, the clip scales by it."""
+    def scalar_sqrts(clip):
+        cfg = _cfg(f"optim.clip_norm={clip}")
+        setup = build(cfg, single_device_mesh())
+        text = setup.step.lower(setup.state, _batch(cfg)).as_text()
+        return len(re.findall(r"stablehlo\.sqrt %\S+ : tensor<f32>\n", text))
+    assert scalar_sqrts(1.0) == scalar_sqrts(0.0) == 2
+    clip = optim.clip_by_global_norm(1.0)
+    g = {"a": jnp.full((3,), 2.0)}
+    out, _ = clip.update(g, clip.init(g), grad_norm=jnp.float32(4.0))
+    np.testing.assert_allclose(out["a"], 0.5)
+    out, _ = clip.update(g, clip.init(g))                   # norm sqrt(12) computed
+    np.testing.assert_allclose(out["a"], 2.0 / np.sqrt(12.0), rtol=1e-6)
+
+
 @pytest.mark.slow
 def test_fp16_loss_scaling_skips_overflow_and_grows():
     cfg = _cfg("train.dtype=fp16", "train.loss_scale_init=1e30", "train.loss_scale_growth_interval=2",

@@ -55,14 +55,16 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
     gradients of every leaf were written out whole before any moment was updated: a second
     gradient-sized buffer at the step's update (hidden 256, 16 experts, remat full, 1 device:
     XLA temp 164.8 -> 150.7 MiB; tests/test_step.py). Rounding differs from optax's by an ulp;
-    torch's clip_grad_norm_ multiplies too."""
-    def update(updates, state, params=None):
-        del params
-        norm = optax.tree.norm(updates)
+    torch's clip_grad_norm_ multiplies too. `grad_norm` (optax's extra arguments, passed through
+    `optax.chain`): the updates' norm when the caller has it already; the train step computes it
+    once for its metric, and a second reduction over every gradient would read them all again."""
+    def update(updates, state, params=None, *, grad_norm=None, **extra_args):
+        del params, extra_args
+        norm = optax.tree.norm(updates) if grad_norm is None else grad_norm
         factor = jnp.where(norm < max_norm, 1.0, max_norm / norm)
         return jax.tree.map(lambda t: t * factor.astype(t.dtype), updates), state
 
-    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+    return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
 
 
 def make(o: OptimConfig, steps: int) -> optax.GradientTransformation:

@@ -46,7 +46,7 @@ from r1jax.model import accumulate
 from r1jax.model import lora as loralib
 from r1jax.model.layers import tap
 from r1jax.model.transformer import MOE_STACK
-from r1jax.config import Config, DType, Remat, Schedule
+from r1jax.config import Config, DType, Schedule
 from r1jax.parallel import mesh as meshlib
 from r1jax.parallel import pipeline
 from r1jax.train import objectives, optim
@@ -191,6 +191,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, cfg: Config, mes
                     objective: Objective | None = None) -> Callable[[State, dict], tuple[State, dict]]:
     """The jitted step for `objective` (default: the one `loss.objective` names)."""
     objective = objective or objectives.make(cfg)
+    tx = optax.with_extra_args_support(tx)                 # the clip takes the step's grad_norm
     t = cfg.train
     accum = t.grad_accum
     fp16 = t.dtype is DType.fp16
@@ -307,9 +308,10 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, cfg: Config, mes
         loss = loss / scale
         finite = jnp.isfinite(loss) & jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
         kept = {k: state[k] for k in ("params", "rest", "opt")}
+        grad_norm = optax.tree.norm(grads)                 # the metric's, and the clip's (optim.py)
 
         def update(_):
-            updates, opt = tx.update(grads, state["opt"], state["params"])
+            updates, opt = tx.update(grads, state["opt"], state["params"], grad_norm=grad_norm)
             rest = state["rest"]
             if has_moe:
                 rest = update_router_bias(rest, stats["load"], stats.get("mtp_load"), cfg.optim.bias_update_rate,
@@ -334,7 +336,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, cfg: Config, mes
         balance = sum(stats[k].sum() for k in ("balance", "mtp_balance") if k in stats)
         metrics = {"loss": loss, **{k: s / jnp.maximum(c, 1.0) for k, (s, c) in stats["metrics"].items()},
                    "balance_loss": balance / rows, "tokens": stats["tokens"],
-                   "grad_norm": optax.tree.norm(grads), "param_norm": optax.tree.norm(new["params"]),
+                   "grad_norm": grad_norm, "param_norm": optax.tree.norm(new["params"]),
                    "lr": lr_schedule(state["step"]), "loss_scale": ls["scale"],
                    "skipped": (~finite).astype(jnp.float32)}
         if has_moe:
