@@ -621,11 +621,14 @@ def _phases(cfg: Config, mesh: dict[str, int], st: dict, g: Geometry) -> list[tu
         return name, {"activations": act, "logits": lg, "working": work, "gradients": accum + grads,
                       "gathered": gathered}
 
-    # bf16/fp16 without remat: each layer also keeps its weights cast to the compute dtype (the
-    # matmuls' backward needs them; nothing is recomputed). fp32 casts are no-ops.
+    # bf16/fp16 without remat: a layer outside the stacks' written-out backward (the MTP blocks,
+    # and 1F1B's dense prefix: its step sums no stack) also keeps its weights cast to the compute
+    # dtype (the matmuls' backward needs them); the stacks' backward derives what it needs of
+    # the weights again per layer (r1jax/model/accumulate.py). fp32 casts are no-ops.
     cast = dt if (remat is Remat.none and dt < F32) else 0
     x = ra * T * m.hidden_size * dt
-    r_dense = n_dense * (layer_saved(m, g, False, ra, remat) + cast * _layer_weights(cfg, mesh, "dense_layers")) + x
+    cast_dense = (cast if onefoneb else 0) * _layer_weights(cfg, mesh, "dense_layers")
+    r_dense = n_dense * (layer_saved(m, g, False, ra, remat) + cast_dense) + x
     w_dense = layer_working(m, g, False, ra) + _weights_gathered(cfg, mesh, "dense_layers", n_dense, dt)
     bwd_dense = (layer_backward(m, g, False, ra) - layer_working(m, g, False, ra)
                  if (n_dense and remat is not Remat.none) else 0)
@@ -674,7 +677,7 @@ def _phases(cfg: Config, mesh: dict[str, int], st: dict, g: Geometry) -> list[tu
     if n_moe == 0:
         r_moe = w_moe = bwd_moe = 0
     elif P == 1:
-        r_moe = n_moe * (layer_saved(m, g, True, ra, remat) + cast * _layer_weights(cfg, mesh, "moe_layers"))
+        r_moe = n_moe * layer_saved(m, g, True, ra, remat)
         w_moe = layer_working(m, g, True, ra) + w_gather
         bwd_moe = (layer_backward(m, g, True, ra) - layer_working(m, g, True, ra) if remat is not Remat.none
                    else 0)
@@ -682,7 +685,7 @@ def _phases(cfg: Config, mesh: dict[str, int], st: dict, g: Geometry) -> list[tu
         layout = _layout(cfg, mesh)
         ticks = t.microbatches * layout.repeats + P - 1
         xs = rs * T * m.hidden_size * dt
-        per_layer = layer_saved(m, g, True, rs, remat) + cast * _layer_weights(cfg, mesh, "moe_layers")
+        per_layer = layer_saved(m, g, True, rs, remat)
         # pipeline.stage_remat: a tick keeps its stage input only, and a tick's backward holds
         # its recomputed stage's residuals. Beside them: the stage's own rows of the stack output
         # (M/P microbatches; the input's are the dense prefix's output, counted there), the tick's

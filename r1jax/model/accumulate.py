@@ -7,12 +7,14 @@ zeros), and only then add it to the sum: two fp32 copies of the stack's gradient
 every microbatch's backward. Here the stack's backward is written out instead: the forward
 takes each layer's VJP under the remat policy (`jax.vjp` of the checkpointed layer: its pullback
 holds what the policy keeps, for `remat: full` the layer's input alone) and keeps the pullback's
-arrays stacked over the layers, except those that are the layer's own inputs (its weights, its
-per-layer inputs, the rope tables), which the backward reads again rather than keeping a copy per
-layer; the backward walks the layers in reverse with the running sum in its carry, calls each
-layer's pullback (recomputing what the policy did not keep) and adds that layer's weight
-gradients into the sum's slice in place. Besides the sum, one layer's gradients are live at a
-time, under every remat policy.
+arrays stacked over the layers, except those computed without the layer's activation (its
+weights as they are, or cast, constrained, gathered; its per-layer inputs; the rope tables: read
+off a jaxpr of the layer's VJP, `_Derived`), which the backward derives again rather than keeping
+a copy per layer, or per pipeline tick. The backward walks the layers in reverse with the
+running sum in its carry, calls each layer's pullback (recomputing what the policy did not
+keep) and adds that layer's weight gradients into the sum's slice in place. Besides the sum,
+one layer's gradients are live at a time, under every remat policy; the train step takes this
+path at grad_accum 1 too (into zeros), since autodiff would keep the weight-derived arrays.
 
 The train step (r1jax/train/step.py) opens `into(sums)` around one microbatch's forward: a stack
 whose number (`Stack.__call__`'s `stack`) has a sum there runs `scan`, which hands the sum on as
@@ -125,13 +127,40 @@ def _layer_vjp(layer, rate, checkpoint, w, cv, h, xi, env, ctx):
 
 class _Kept:
     """(One per stack call, passed as a static argument: the custom VJP's residuals must be arrays.)
-    Where each leaf of a layer's pullback comes from in the backward (filled in when the
-    forward is traced): a per-layer input ('live', 'const', 'xs': sliced at the layer again),
-    an input every layer shares ('env', 'ctx'), a concrete constant, or the forward's stacked
-    outputs ('stacked'). Only the last are kept per layer; the rest are read again, so the
-    backward keeps the weights once, as the loop's input, not a per-layer copy of them."""
+    Filled in when the forward is traced: the pullback's tree, and which of its arrays the
+    backward derives again from the layer's inputs other than its activation (`derive`: the
+    weights as they are, or cast, constrained, gathered), so that only the arrays computed from
+    the activation are kept per layer. A weight-derived array kept per layer would be a copy of
+    the stack's weights, and per pipeline tick one a tick."""
     tree: Any = None
-    spec: list = ()
+    derive: "_Derived | None" = None
+
+
+class _Derived:
+    """Which leaves of a layer's pullback do not depend on its activation `h` (nor on a traced
+    value from outside the layer, nor on an effect), read off a jaxpr of the layer's VJP, and
+    that jaxpr cut down to them (dead code removed), which recomputes them from the other inputs."""
+
+    def __init__(self, fn: Callable, args: tuple, h_at: int, leaves: list):
+        from jax._src.interpreters import partial_eval as pe
+        from jax.extend.core import Literal
+
+        closed = jax.make_jaxpr(fn)(*jax.tree.leaves(args))
+        jaxpr, self.consts = closed.jaxpr, list(closed.consts)
+        outs = jaxpr.outvars
+        same = len(outs) == len(leaves) and all(
+            v.aval.shape == l.shape and v.aval.dtype == l.dtype for v, l in zip(outs, leaves))
+        dyn = {jaxpr.invars[h_at]}
+        dyn.update(v for v, c in zip(jaxpr.constvars, self.consts) if isinstance(c, jax.core.Tracer))
+        for eqn in jaxpr.eqns:
+            if eqn.effects or any(not isinstance(v, Literal) and v in dyn for v in eqn.invars):
+                dyn.update(eqn.outvars)
+        self.mask = [same and (isinstance(v, Literal) or v not in dyn) for v in outs]
+        self.jaxpr, self.used = pe.dce_jaxpr(pe.convert_constvars_jaxpr(jaxpr), self.mask)
+
+    def __call__(self, args: tuple) -> list:
+        flat = [*self.consts, *jax.tree.leaves(args)]
+        return jax.core.eval_jaxpr(self.jaxpr, [], *[a for a, u in zip(flat, self.used) if u])
 
 
 def _stack_fwd(layer, rate, checkpoint, kept, live, const, x, xs, sums, at, ctx):
@@ -141,20 +170,14 @@ def _stack_fwd(layer, rate, checkpoint, kept, live, const, x, xs, sums, at, ctx)
         lv, cv, xi = inp
         (y, _), back, aux = _layer_vjp(layer, rate, checkpoint, lv, cv, h, xi, env, ctx)
         leaves, kept.tree = jax.tree.flatten(back)
-        sources = {}
-        for name, tree in (("live", lv), ("const", cv), ("xs", xi), ("env", env), ("ctx", ctx)):
-            for j, leaf in enumerate(jax.tree.leaves(tree)):
-                sources.setdefault(id(leaf), (name, j))
-        kept.spec, stacked = [], []
-        for leaf in leaves:
-            if id(leaf) in sources:
-                kept.spec.append(sources[id(leaf)])
-            elif not isinstance(leaf, jax.core.Tracer):
-                kept.spec.append(("value", leaf))
-            else:
-                kept.spec.append(("stacked", len(stacked)))
-                stacked.append(leaf)
-        return y, (aux, stacked)
+        if kept.derive is None:
+            args = (lv, cv, h, xi, env, ctx)
+            tree = jax.tree.structure(args)
+
+            def leaves_of(*flat):
+                return jax.tree.leaves(_layer_vjp(layer, rate, checkpoint, *jax.tree.unflatten(tree, flat))[1])
+            kept.derive = _Derived(leaves_of, args, len(jax.tree.leaves((lv, cv))), leaves)
+        return y, (aux, [l for l, d in zip(leaves, kept.derive.mask) if not d])
 
     live_s, const_s = _slice(at, live, const)
     y, (aux, stacked) = jax.lax.scan(body, x, (live_s, const_s, xs_))
@@ -167,14 +190,13 @@ def _stack_bwd(layer, rate, checkpoint, kept, res, cts):
     ct_y, ct_aux, ct_sums = cts
     xs_, env = xs
     n = jax.tree.leaves(live)[0].shape[0]
-    shared = {"env": jax.tree.leaves(env), "ctx": jax.tree.leaves(ctx)}
 
     def body(carry, inp):
         ct_h, acc = carry
         i, lv, cv, xi, st, ct_bal = inp
-        here = {"live": jax.tree.leaves(lv), "const": jax.tree.leaves(cv), "xs": jax.tree.leaves(xi),
-                "stacked": st, **shared}
-        leaves = [j if name == "value" else here[name][j] for name, j in kept.spec]
+        # the activation's place is filled by its cotangent (same shape; nothing derived reads it)
+        derived, kept_ = iter(kept.derive((lv, cv, ct_h, xi, env, ctx))), iter(st)
+        leaves = [next(derived) if d else next(kept_) for d in kept.derive.mask]
         # (a compute-dtype copy's gradient, summed over its uses inside the layer in that dtype as
         # a tapped one's is, `layers.tap`, joins the fp32 sum here)
         g, ct_in = jax.tree.unflatten(kept.tree, leaves)((ct_h, ct_bal))
