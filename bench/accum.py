@@ -126,8 +126,8 @@ def report(meta: dict, rows: list[dict]) -> str:
     logits = full["microbatch_rows"] * full["seq_len"] * full["vocab_size"] * 4
     text = [
         f"At a fixed global batch the activations of one microbatch shrink as 1/grad_accum, while the gradient "
-        f"accumulator (an fp32 copy of every parameter carried through the `lax.scan` over microbatches, beside "
-        f"the microbatch's own gradient) does not. A least-squares fit temp = F + S/grad_accum over the "
+        f"accumulator (an fp32 copy of every parameter carried through the `lax.scan` over microbatches, into "
+        f"which the stacks' backward adds each layer's gradients in place) does not. A least-squares fit temp = F + S/grad_accum over the "
         f"remat-none rows gives S = {_mib(scaling)} (activations and workspace of the whole batch) and "
         f"F = {_mib(fixed)} fixed, {fixed / P:.1f}x the {_mib(P)} of fp32 parameters; so temp falls "
         f"{base['temp_bytes'] / last['temp_bytes']:.2f}x from grad_accum 1 to {last['grad_accum']}, not "
