@@ -1002,11 +1002,12 @@ def compute_bound(cfg: Config, mesh: dict[str, int], hw: Hardware) -> dict[str, 
     fwd = _forward_flops(cfg)
     full = t.remat is Remat.full
     P = mesh.get("pipeline", 1)
-    onefoneb = P > 1 and cfg.pipeline.schedule is Schedule.onefoneb
     layout = _layout(cfg, mesh)
-    s = P > 1 and (cfg.pipeline.stage_remat or onefoneb)
-    several = s and (onefoneb or layout.chunk > 1)
-    again = {"stack": (full or s) + (several and full), "outside": int(full)}
+    # the stack's forwards run again are the exchange's extra passes there; other policies'
+    # partial recompute counted as none (only a recomputed stage, which runs whole)
+    counted = t.remat if t.remat in (Remat.none, Remat.full) else Remat.none
+    there, _ = exchange_passes(dataclasses.replace(cfg, train=dataclasses.replace(t, remat=counted)), mesh)
+    again = {"stack": there - 2, "outside": int(full)}
     recompute = sum(again[k] * fwd[k] for k in fwd) * tokens
     # the stack's FLOPs of the model and its recompute: 3 forwards' worth of its layers (6 x
     # weights + 3 x attention), and what runs again

@@ -45,10 +45,9 @@ for 1f1b: `bubble()`.
 Under `train.grad_accum` the ticks add the stack's gradients into the step's running fp32 sum,
 not into a buffer of their own: gpipe and circular carry the sum through the tick loop, whose
 transpose then starts its gradient carry from the sum the step seeds; 1f1b starts its tick
-loop's gradient sums from it. A tick's stage backward adds each layer's
-gradients into that sum itself (`accumulate.scan_into`, under every remat policy), so no tick
-writes its stage's gradients out beside the sum (gpipe and circular at grad_accum 1 too, into
-zeros).
+loop's gradient sums from it. A tick's stage backward adds each layer's gradients into that
+sum itself (`accumulate.scan_into`, under every remat policy), so no tick writes its stage's
+gradients out beside the sum (gpipe and circular at grad_accum 1 too, into zeros).
 """
 from __future__ import annotations
 
