@@ -31,7 +31,6 @@ epilogue's chunks) tap inside their bodies, so every gradient sum is fp32 as wit
 """
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -211,38 +210,27 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, cfg: Config, mes
         return loss * scale, stats
 
     onefoneb = layout is not None and cfg.pipeline.schedule is Schedule.onefoneb
-    if onefoneb:
-        def grad_fn(params, rest, mb, tokens, scale, key, *, rows, sums=None):
-            def piece_loss(model, y, piece):
-                return epilogue_loss(model, y, piece["positions"], piece["segment_ids"], piece, objective, tokens, rows)
-            with loralib.dropout(key, cfg.lora.dropout if cfg.lora.rank else 0.0, mb.get("row")):
-                return pipeline.loss_and_grads_1f1b(graphdef, params, rest, mb, layout=layout,
-                                                    microbatches=t.microbatches, head_loss=piece_loss,
-                                                    balance_ct=objective.balance_weight / rows, scale=scale,
-                                                    mtp=objective.mtp, sums=sums)
-    elif low is not None:
-        # the gradients of fp32 zeros tapped into the compute-dtype copy (`layers.tap`): fp32,
-        # summed in fp32 over the pipeline's ticks and the epilogue's chunks
-        tapped = jax.value_and_grad(lambda z, params, *a, rows: micro_loss(tap(params, z), *a, rows=rows, taps=z),
-                                    has_aux=True)
 
-        def grad_fn(params, *a, rows):
-            z = jax.tree.map(lambda v: jnp.zeros(v.shape, jnp.float32), params)
-            return tapped(jax.lax.with_sharding_constraint(z, msh), params, *a, rows=rows)
-    else:
-        grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+    def onefoneb_grads(params, rest, mb, tokens, scale, key, sums, *, rows):
+        """1F1B's ((loss * scale, stats), sums + gradients): its tick loop starts its own
+        gradient sums from `sums` (None: zeros)."""
+        def piece_loss(model, y, piece):
+            return epilogue_loss(model, y, piece["positions"], piece["segment_ids"], piece, objective, tokens, rows)
+        with loralib.dropout(key, cfg.lora.dropout if cfg.lora.rank else 0.0, mb.get("row")):
+            return pipeline.loss_and_grads_1f1b(graphdef, params, rest, mb, layout=layout,
+                                                microbatches=t.microbatches, head_loss=piece_loss,
+                                                balance_ct=objective.balance_weight / rows, scale=scale,
+                                                mtp=objective.mtp, sums=sums)
 
-    # the running gradient sum added to in place (one fp32 buffer) by the backward of each stack,
-    # unpipelined (r1jax/model/accumulate.py) or pipelined by GPipe or circular ticks (their
-    # carry, r1jax/parallel/pipeline.py), under every remat policy; 1F1B's tick loop starts its
-    # own gradient sums from it (`loss_and_grads_1f1b`)
-    in_sums = set() if onefoneb else set(STACKS)
-    # (one microbatch too, into zeros: autodiff of the ticks would keep a tick's stage gradients
+    # Otherwise the running gradient sum is added to in place (one fp32 buffer) by the backward
+    # of each stack, unpipelined (r1jax/model/accumulate.py) or pipelined by GPipe or circular
+    # ticks (their carry, r1jax/parallel/pipeline.py), under every remat policy. One microbatch
+    # goes this way too, into zeros: autodiff of the ticks would keep a tick's stage gradients
     # beside the loop's sum of them (circular 2 x 2 stages, remat full, tests/test_step.py's
     # shape: XLA temp 308.5 -> 285.1 MiB), and without remat autodiff keeps each layer's
     # weight-derived arrays, which the stacks' backward derives again (accumulate.py; hidden 256,
-    # 16 experts, one device: 698.9 -> 640.8 MiB)
-    in_place = bool(in_sums)
+    # 16 experts, one device: 698.9 -> 640.8 MiB).
+    in_sums = set(STACKS)
 
     def into_sums(params, rest, mb, tokens, scale, key, sums, *, rows):
         """One microbatch's ((loss * scale, stats), sums + its gradients) with the stacks'
@@ -274,36 +262,37 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, cfg: Config, mes
     def train_step(state: State, batch: dict[str, jax.Array]):
         scale = state["loss_scale"]["scale"]
         rows = batch["ids"].shape[0]
-        tokens, grads_of = jnp.maximum(objective.tokens(batch), 1.0), functools.partial(grad_fn, rows=rows)
+        tokens = jnp.maximum(objective.tokens(batch), 1.0)
         key = dropout_key(cfg, state["step"])
         if key is not None:
             # every row's number in the step's batch: its dropout masks follow it through any split
             batch = {**batch, "row": logical.constrain(jnp.arange(rows, dtype=jnp.int32), "batch")}
         # ZeRO-1: the masters gathered to the model's sharding once, for every microbatch
         model_params = gathered(state["params"], msh, low) if gather else state["params"]
-        if accum == 1 and in_place:
-            zeros = jax.tree.map(lambda v: jnp.zeros(v.shape, jnp.float32), model_params)
-            (loss, stats), grads = into_sums(model_params, state["rest"], batch, tokens, scale, key,
-                                             jax.lax.with_sharding_constraint(zeros, msh), rows=rows)
-        elif accum == 1:
-            (loss, stats), grads = grads_of(model_params, state["rest"], batch, tokens, scale, key)
+        fp32_zeros = lambda: jax.lax.with_sharding_constraint(
+            jax.tree.map(lambda v: jnp.zeros(v.shape, jnp.float32), model_params), msh)
+
+        def micro_grads(mb, sums):
+            """One microbatch's ((loss * scale, stats), sums + its gradients)."""
+            if onefoneb:
+                return onefoneb_grads(model_params, state["rest"], mb, tokens, scale, key, sums, rows=rows)
+            return into_sums(model_params, state["rest"], mb, tokens, scale, key,
+                             fp32_zeros() if sums is None else sums, rows=rows)
+
+        if accum == 1:
+            (loss, stats), grads = micro_grads(batch, None)
         else:
             # microbatch a = rows a, a+A, ...: every device keeps the rows it already holds
             micro = jax.tree.map(lambda x: x.reshape(-1, accum, *x.shape[1:]).swapaxes(0, 1), batch)
 
-            def body(carry, mb):
-                if in_place or onefoneb:      # the gradients added into the running sum
-                    out, g = (into_sums(model_params, state["rest"], mb, tokens, scale, key, carry[1], rows=rows)
-                              if in_place else grads_of(model_params, state["rest"], mb, tokens, scale, key, sums=carry[1]))
-                    return (jax.tree.map(jnp.add, carry[0], out), jax.lax.with_sharding_constraint(g, msh)), None
-                out, g = grads_of(model_params, state["rest"], mb, tokens, scale, key)   # masks: by mb["row"]
-                g = jax.lax.with_sharding_constraint(g, msh)
-                return jax.tree.map(jnp.add, carry, (out, g)), None
+            def body(carry, mb):         # masks follow mb["row"]
+                out, g = micro_grads(mb, carry[1])
+                return (jax.tree.map(jnp.add, carry[0], out), jax.lax.with_sharding_constraint(g, msh)), None
 
             first = jax.tree.map(lambda x: x[0], micro)
-            zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(
-                grads_of, model_params, state["rest"], first, tokens, scale, key))
-            ((loss, stats), grads), _ = jax.lax.scan(body, zeros, micro)
+            out0 = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
+                                jax.eval_shape(lambda mb: micro_grads(mb, None)[0], first))
+            ((loss, stats), grads), _ = jax.lax.scan(body, (out0, fp32_zeros()), micro)
         grads = jax.lax.with_sharding_constraint(jax.tree.map(lambda g: g / scale, grads), msh)
         if gather:                                         # ZeRO-1: reduce-scattered to the masters' shards
             grads = jax.lax.with_sharding_constraint(grads, zsh)
