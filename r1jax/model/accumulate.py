@@ -139,24 +139,32 @@ class _Kept:
 class _Derived:
     """Which leaves of a layer's pullback do not depend on its activation `h` (nor on a traced
     value from outside the layer, nor on an effect), read off a jaxpr of the layer's VJP, and
-    that jaxpr cut down to them (dead code removed), which recomputes them from the other inputs."""
+    that jaxpr cut down to them (dead code removed), which recomputes them from the other inputs.
+    A leaf's dependencies are the inputs left after cutting the jaxpr down to that leaf alone:
+    the cut goes inside nested jaxprs (the MoE dispatch's shard_map), where a leaf taken from
+    every output of an equation that reads `h` anywhere would count the dispatch's weight
+    gathers, whose tiles are fixed, as activations and keep them per layer (and per pipeline
+    tick: GPipe on 2 stages, hidden 256, 16 experts, remat none, the stage's index traced: XLA
+    temp 379.4 -> 235.1 MiB)."""
 
     def __init__(self, fn: Callable, args: tuple, h_at: int, leaves: list):
         from jax._src.interpreters import partial_eval as pe
-        from jax.extend.core import Literal
 
         closed = jax.make_jaxpr(fn)(*jax.tree.leaves(args))
-        jaxpr, self.consts = closed.jaxpr, list(closed.consts)
-        outs = jaxpr.outvars
+        self.consts = list(closed.consts)
+        outs = closed.jaxpr.outvars
+        jaxpr = pe.convert_constvars_jaxpr(closed.jaxpr)          # the consts, then the arguments
+        dyn = [isinstance(c, jax.core.Tracer) for c in self.consts]
+        dyn += [i == h_at for i in range(len(jaxpr.invars) - len(dyn))]
         same = len(outs) == len(leaves) and all(
             v.aval.shape == l.shape and v.aval.dtype == l.dtype for v, l in zip(outs, leaves))
-        dyn = {jaxpr.invars[h_at]}
-        dyn.update(v for v, c in zip(jaxpr.constvars, self.consts) if isinstance(c, jax.core.Tracer))
-        for eqn in jaxpr.eqns:
-            if eqn.effects or any(not isinstance(v, Literal) and v in dyn for v in eqn.invars):
-                dyn.update(eqn.outvars)
-        self.mask = [same and (isinstance(v, Literal) or v not in dyn) for v in outs]
-        self.jaxpr, self.used = pe.dce_jaxpr(pe.convert_constvars_jaxpr(jaxpr), self.mask)
+
+        def derivable(k: int) -> bool:
+            cut, used = pe.dce_jaxpr(jaxpr, [j == k for j in range(len(outs))])
+            return not cut.effects and not any(u and d for u, d in zip(used, dyn))
+
+        self.mask = [same and derivable(k) for k in range(len(outs))]
+        self.jaxpr, self.used = pe.dce_jaxpr(jaxpr, self.mask)
 
     def __call__(self, args: tuple) -> list:
         flat = [*self.consts, *jax.tree.leaves(args)]

@@ -412,8 +412,14 @@ def trunk(model, batch: dict, *, layout: Layout, microbatches: int, stage_remat:
                 buf = buf.at[slot].set(jnp.where((s == 0) & (t >= Ps), state, buf[slot]))
                 fresh = jnp.where(r == 0, fresh, buf[(t - M) % K])
             x_in = jnp.where(s == 0, fresh, state)
-            # (R=1: a static index, which autodiff keeps once, not a traced one it keeps every tick)
-            y, aux, sw = run_stage(w, zw, sw, valid, r if R > 1 else 0, x_in, posm[m], segm[m], keys,
+            # the repeat's index. Traced when the stage adds into the sums: with a static one the
+            # differentiated step computes the layers' weight-derived arrays once, outside the
+            # tick loop (a scan over the stage's layers), and keeps them through it, a copy of
+            # the stage's weights (GPipe, 2 stages, hidden 256, 16 experts: XLA temp remat full
+            # 141.8 -> 105.8 MiB, remat none 271.1 -> 235.1). Under plain autodiff (no sums)
+            # static, which autodiff keeps once, not a traced slice it keeps every tick.
+            at = r if R > 1 or sw is not None else 0
+            y, aux, sw = run_stage(w, zw, sw, valid, at, x_in, posm[m], segm[m], keys,
                                    None if rowm is None else rowm[m])
             acc = jax.tree.map(lambda a, b: a.at[r].add(jnp.where(active, b, jnp.zeros_like(b))), acc, aux)
             # the last stage's output of microbatch e (its last repeat), to the stages that hold its rows
