@@ -11,7 +11,8 @@ bench/lora.py, bench/grpo_trl.py (it needs `pip install -e '.[test,trl]'`), then
 bf16 comparison of dense_small (3 steps). A benchmark that fails is reported and
 the others still run; the exit status is then 1. Each writes bench/results/NAME.md and .json
 (r1jax.bench: bench_<config>.md); RESULTS.md is those tables in ORDER (NAME, then NAME_*), then
-any others alphabetically.
+any others alphabetically, each followed by bench/results/NAME.notes.md when it exists: what was
+written by hand about a run (earlier runs, causes, caveats), which a rerun keeps.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ ROOT = BENCH.parent
 ORDER = ["bench", "generate", "moe_decode", "data_pipeline", "remat", "attention", "accum", "memory", "scale_state",
          "compile_time", "lora", "grpo_trl"]
 SCRIPTS = ["data_pipeline", "remat", "attention", "accum", "compile_time", "moe_decode", "memory", "scale_state", "lora", "grpo_trl"]
+NOTES = ".notes"                 # bench/results/NAME.notes.md: hand-written notes after NAME's table
 COMPARE_CONFIGS = ["bench/configs/dense_small.yaml", "bench/configs/moe_small.yaml"]
 
 HEADER = """# r1jax benchmark results
@@ -33,6 +35,7 @@ HEADER = """# r1jax benchmark results
 Every table below was produced by the command printed above it. `python bench/results.py --run`
 reruns every benchmark and regenerates this file (about an hour on 2 shared CPU cores, 25 minutes
 of it bench/memory.py); `python bench/results.py` only reassembles it from `bench/results/*.md`.
+A note written by hand about a table lives in `bench/results/NAME.notes.md` and follows the table.
 Timings are from shared 2-core CPU machines: compare rows within one table (measured side by side
 in one run), not across tables.
 """
@@ -68,7 +71,7 @@ def run_all() -> list[str]:
 def assemble(bench: Path = BENCH) -> Path:
     """Write bench/RESULTS.md from bench/results/*.md; returns its path."""
     parts = [HEADER]
-    stems = sorted(p.stem for p in (bench / "results").glob("*.md"))
+    stems = sorted(p.stem for p in (bench / "results").glob("*.md") if not p.stem.endswith(NOTES))
     # each ORDER entry brings its own table and its variants (bench_moe_small after bench)
     names = [s for o in ORDER for s in stems if s == o or s.startswith(o + "_")]
     names += [s for s in stems if s not in names]
@@ -76,6 +79,9 @@ def assemble(bench: Path = BENCH) -> Path:
         path = bench / "results" / f"{name}.md"
         if path.is_file():
             text = path.read_text().replace("\n# ", "\n## ").replace("# ", "## ", 1)
+            notes = bench / "results" / f"{name}{NOTES}.md"
+            if notes.is_file():
+                text += "\n" + notes.read_text()
             parts.append(text.replace("](bench_", "](results/bench_"))      # plots sit beside the tables
     out = bench / "RESULTS.md"
     out.write_text("\n".join(parts))

@@ -67,13 +67,20 @@ def test_results_reassembles_every_table(tmp_path):
     repo_results = (ROOT / "bench" / "RESULTS.md").read_bytes()
     bench = tmp_path / "bench"
     shutil.copytree(ROOT / "bench" / "results", bench / "results")
+    # the repository's RESULTS.md is what its tables and notes assemble to: a note written into
+    # RESULTS.md alone would be lost by the next `python bench/results.py`
+    assert results.assemble(bench).read_bytes() == repo_results
     (bench / "results" / "zz_extra.md").write_text("# An extra table\n\n| a |\n|---|\n| 1 |\n")
+    (bench / "results" / "zz_extra.notes.md").write_text("A hand-written note on it.\n")
     (bench / "results" / "bench_moe_small.md").write_text("# r1jax against torch, moe_small\n\ntext\n")
     out = results.assemble(bench)
     assert out == bench / "RESULTS.md"
     text = out.read_text()
     assert text.startswith(results.HEADER)
+    assert "| 1 |\n\nA hand-written note on it.\n" in text                # a table's notes follow it
     for md in sorted((bench / "results").glob("*.md")):
+        if md.name.endswith(".notes.md"):
+            continue
         heading = md.read_text().splitlines()[0]
         assert heading.startswith("# ")
         assert "\n#" + heading in text, md.name                    # demoted to "## ..."

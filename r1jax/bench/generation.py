@@ -315,6 +315,9 @@ def write(result: dict, prefix: Path) -> list[Path]:
     paths = [prefix.with_suffix(".json"), prefix.with_suffix(".md"), prefix.with_suffix(".png")]
     paths[0].write_text(json.dumps(result, indent=1))
     vs = " against transformers' generate" if any(row.get("torch") for row in result["rows"]) else ""
+    variants = next(iter(result["rows"]))["r1jax"].values()
+    if any(v.get("quantize", "none") != "none" for v in variants):      # the --quantize comparisons
+        vs += f", quantised weights, {next(iter(variants)).get('dtype', 'fp32')} compute"
     paths[1].write_text("\n\n".join([f"# Generation: {result['config_name']}{vs}",
                                       f"`{result['command']}` on {result['date']}.", table(result),
                                       "\n".join(notes(result)), f"![decode tokens/s]({paths[2].name})"]) + "\n")
