@@ -415,9 +415,10 @@ def trunk(model, batch: dict, *, layout: Layout, microbatches: int, stage_remat:
             # the repeat's index. Traced when the stage adds into the sums: with a static one the
             # differentiated step computes the layers' weight-derived arrays once, outside the
             # tick loop (a scan over the stage's layers), and keeps them through it, a copy of
-            # the stage's weights (GPipe, 2 stages, hidden 256, 16 experts: XLA temp remat full
-            # 141.8 -> 105.8 MiB, remat none 271.1 -> 235.1). Under plain autodiff (no sums)
-            # static, which autodiff keeps once, not a traced slice it keeps every tick.
+            # the stage's weights (GPipe on pipeline 2 x data 4, hidden 256, 16 experts, batch
+            # 16, SGD: XLA temp remat full 141.8 -> 105.8 MiB, remat none 271.1 -> 235.1; the
+            # 2-device shape of tests/test_step.py 152.0 -> 116.0). Under plain autodiff (no
+            # sums) static, which autodiff keeps once, not a traced slice it keeps every tick.
             at = r if R > 1 or sw is not None else 0
             y, aux, sw = run_stage(w, zw, sw, valid, at, x_in, posm[m], segm[m], keys,
                                    None if rowm is None else rowm[m])
