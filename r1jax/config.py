@@ -334,6 +334,7 @@ class MeshConfig:
     dcn_tensor: int = 1
     dcn_expert: int = 1
     dcn_pipeline: int = 1
+    expert_fsdp: bool = False      # the expert axis also shards the other weights, as fsdp does (parallel/mesh.py)
 
 
 MESH_AXES = ("data", "fsdp", "tensor", "expert", "pipeline")

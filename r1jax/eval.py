@@ -87,8 +87,6 @@ def _measure(logits_ref, logits_q, ids, seg):
 
 def evaluate(src, quantize: str, batches, log=lambda s: None) -> dict:
     """The measures of `quantize` against the unquantised model over `batches`."""
-    import dataclasses
-
     import jax
     from flax import nnx
     from r1jax import model as modellib
@@ -97,8 +95,7 @@ def evaluate(src, quantize: str, batches, log=lambda s: None) -> dict:
     from r1jax.infer.generator import _in_compute_dtype
     from r1jax.parallel import mesh as meshlib
     cfg = src.cfg
-    mesh_cfg = cfg.mesh if cfg.mesh.pipeline == 1 else dataclasses.replace(cfg.mesh, pipeline=1, data=-1)
-    mesh = meshlib.make_mesh(mesh_cfg)
+    mesh = meshlib.make_mesh(meshlib.one_stage(cfg.mesh))
     dtype = modellib.COMPUTE_DTYPES[cfg.infer.dtype]
     ref = src.load(mesh, log)
     fp8_ckpt = quantize == "fp8" and src.init_from.startswith("hf:") and hf.is_fp8(src.init_from[3:])

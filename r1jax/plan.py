@@ -51,7 +51,9 @@ tokens per step = global batch / (data x fsdp x expert) x seq):
               a recomputed forward reuses the backward's gather), and reduce-scatter of their
               fp32 gradients, A times (the pipelined MoE stack A x M times; the head and MTP
               blocks A x train.epilogue_chunks times); `pipeline` the same for the parts
-              outside the pipelined stack;
+              outside the pipelined stack, and `expert` for all but the routed experts under
+              mesh.expert_fsdp; a leaf split over several of them is gathered axis after axis,
+              fewest GPUs in a node first, each later axis the whole the earlier ones made;
     data, fsdp, expert (the batch axes)
               all-reduce of the fp32 gradients of the leaves each does not split, once per step;
               over several axes axis by axis, the one with most GPUs in a node first, each
@@ -182,18 +184,21 @@ def _lora(cfg: Config) -> configlib.LoraConfig | None:
 
 
 @functools.cache
-def _rule(name: str | None) -> tuple[str, ...]:
-    """Mesh axes a logical axis name maps to under LOGICAL_RULES (first match wins)."""
-    from r1jax.parallel.mesh import LOGICAL_RULES
-    for key, axes in LOGICAL_RULES:
+def _rule(name: str | None, expert_fsdp: bool = False) -> tuple[str, ...]:
+    """Mesh axes a logical axis name maps to under the rules table (parallel/mesh.py `rules`:
+    LOGICAL_RULES, or with `mesh.expert_fsdp`'s additions; first match wins)."""
+    from r1jax.config import MeshConfig
+    from r1jax.parallel.mesh import rules
+    for key, axes in rules(MeshConfig(expert_fsdp=expert_fsdp)):
         if key == name:
             return logical.axes_of(axes)
     return ()
 
 
-def shard_shape(shape: tuple[int, ...], names: tuple[str | None, ...], mesh: dict[str, int]) -> tuple[int, ...]:
+def shard_shape(shape: tuple[int, ...], names: tuple[str | None, ...], mesh: dict[str, int],
+                expert_fsdp: bool = False) -> tuple[int, ...]:
     """One device's shard of an array with logical `names` on `mesh` (GSPMD pads uneven shards)."""
-    return _shard_shape(tuple(shape), tuple(names), _key(mesh))
+    return _shard_shape(tuple(shape), tuple(names), _key(mesh, expert_fsdp))
 
 
 @functools.lru_cache(maxsize=65536)
@@ -204,7 +209,7 @@ def _dim_axes(names: tuple[str | None, ...], mesh_items: tuple) -> DimAxes:
     used: set[str] = set()
     out = []
     for name in names:
-        axes = tuple(a for a in _rule(name) if a not in used and mesh.get(a, 1) > 1)
+        axes = tuple(a for a in _rule(name, bool(mesh.get(EXPERT_FSDP))) if a not in used and mesh.get(a, 1) > 1)
         used.update(axes)
         out.append(axes)
     return tuple(out)
@@ -237,8 +242,13 @@ def _layout(cfg: Config, mesh: dict[str, int]):
     return layout_for(cfg, mesh["pipeline"]) if mesh["pipeline"] > 1 else None
 
 
-def _key(mesh: dict[str, int]) -> tuple:
-    return tuple(sorted((a, v) for a, v in mesh.items() if v > 1))
+EXPERT_FSDP = "+expert_fsdp"    # a mesh key's marker (not an axis) that mesh.expert_fsdp's rules apply
+
+
+def _key(mesh: dict[str, int], expert_fsdp: bool = False) -> tuple:
+    """A mesh as a cache key: its axes of size > 1, and whether the rules are mesh.expert_fsdp's."""
+    return tuple(sorted((a, v) for a, v in mesh.items() if v > 1 and a != EXPERT_FSDP)) + (
+        ((EXPERT_FSDP, 1),) if expert_fsdp else ())
 
 
 def _placed(model: configlib.ModelConfig, layout, lora=None):
@@ -253,7 +263,7 @@ def _placed(model: configlib.ModelConfig, layout, lora=None):
 
 def state_bytes(cfg: Config, mesh: dict[str, int]) -> dict[str, Any]:
     """Per-device bytes of the parameters, router biases and AdamW state, by part of the model."""
-    out = _state_bytes(cfg.model, _layout(cfg, mesh), _key(mesh), _lora(cfg), cfg.optim.zero1)
+    out = _state_bytes(cfg.model, _layout(cfg, mesh), _key(mesh, cfg.mesh.expert_fsdp), _lora(cfg), cfg.optim.zero1)
     # AdamW's mu + nu are counted in fp32 below; optim.moment_dtype=bf16 halves them
     opt = (out["opt"] - 8) * _moment_bytes(cfg) // F32 + 8
     gathered = out["gathered"]
@@ -546,25 +556,41 @@ def _layer_weights(cfg: Config, mesh: dict[str, int], prefix: str, stacked: bool
     stage holds its MoE layers whole over `pipeline`)."""
     if prefix.startswith("moe_layers"):
         mesh = dict(mesh, pipeline=1)
-    return _layer_weights_of(cfg.model, _key(mesh), prefix, stacked)
+    key = _key(mesh, cfg.mesh.expert_fsdp)
+    return _layer_weights_of(cfg.model, key, key, (), prefix, stacked)
 
 
 @functools.lru_cache(maxsize=16384)
-def _layer_weights_of(model: configlib.ModelConfig, mesh_key: tuple, prefix: str, stacked: bool) -> int:
+def _layer_weights_of(model: configlib.ModelConfig, mesh_key: tuple, split_key: tuple, axes: tuple[str, ...],
+                      prefix: str, stacked: bool) -> int:
+    """Elements of a layer's trainable leaves under `prefix` on `mesh_key`; with `axes`, of those
+    leaves alone that `axes` split on `split_key`."""
     cut = 1 if stacked else 0
     return sum(math.prod(_shard_shape(l.shape[cut:], l.names[cut:], mesh_key))
-               for l in leaves(model) if l.trainable and l.path.startswith(prefix))   # the base weights
+               for l in leaves(model) if l.trainable and l.path.startswith(prefix)     # the base weights
+               and (not axes or any(a in axes for d in _dim_axes(l.names[cut:], split_key) for a in d)))
 
 
 def _weights_gathered(cfg: Config, mesh: dict[str, int], prefix: str, layers: int, dt: int,
                       stacked: bool = True) -> int:
     """One layer's weights all-gathered over fsdp (outside the pipelined MoE stack over fsdp and
-    pipeline) in the compute dtype, and their fp32 gradient before the reduce-scatter: the
-    transient they add where the layer runs. 0 when those axes do not split them."""
-    axes = ("fsdp",) if prefix.startswith("moe_layers") else ("fsdp", "pipeline")
+    pipeline; with mesh.expert_fsdp over expert too, which leaves the routed experts split) in
+    the compute dtype, and their fp32 gradient before the reduce-scatter: the transient they add
+    where the layer runs. 0 when those axes do not split them."""
+    axes = _gather_axes(cfg, prefix)
     if layers == 0 or all(mesh[a] == 1 for a in axes):
         return 0
-    return _layer_weights(cfg, dict(mesh, **{a: 1 for a in axes}), prefix, stacked) * (dt + F32)
+    if prefix.startswith("moe_layers"):
+        mesh = dict(mesh, pipeline=1)
+    whole = _key(dict(mesh, **{a: 1 for a in axes if a != "expert"}))       # expert: the default rules
+    return _layer_weights_of(cfg.model, whole, _key(mesh, cfg.mesh.expert_fsdp), axes, prefix, stacked) * (dt + F32)
+
+
+def _gather_axes(cfg: Config, prefix: str) -> tuple[str, ...]:
+    """The axes that shard a part's weights ZeRO-3 style: fsdp; pipeline outside the pipelined
+    stack; expert under mesh.expert_fsdp."""
+    axes = ("fsdp",) if prefix.startswith("moe_layers") else ("fsdp", "pipeline")
+    return axes + (("expert",) if cfg.mesh.expert_fsdp else ())
 
 
 def _epilogue(cfg: Config, g: Geometry, rows: int, w_gather: int, local_sort: bool = False) -> dict[str, int]:
@@ -786,21 +812,43 @@ def _collective(kind: str, size: float, inside: int, nodes: int) -> tuple[float,
     return (size, 0.0) if nodes == 1 else (0.0, size)          # permute: a neighbour on another node
 
 
-def _fsdp_traffic(cfg: Config, mesh: dict[str, int]) -> list[tuple[str, str, str, float]]:
+def _fsdp_traffic(cfg: Config, mesh: dict[str, int], spans: dict[str, tuple[int, int]]
+                  ) -> list[tuple[str, str, str, float]]:
     """Each part's weights all-gathered over fsdp in the compute dtype (FSDP_GATHERS times) and
     their fp32 gradients reduce-scattered, per grad_accum microbatch (the pipelined MoE stack:
     per pipeline microbatch). `pipeline` does the same for the parts outside the pipelined stack,
-    which it shards as fsdp does (r1jax/parallel/mesh.py's `embed` rules)."""
+    which it shards as fsdp does (r1jax/parallel/mesh.py's `embed` rules), and `expert` under
+    mesh.expert_fsdp for all but the routed experts. A leaf split over several of these axes is
+    gathered axis after axis, the one with the fewest GPUs in a node first (its ring carries the
+    smallest pieces, over InfiniBand when that is its link), each later axis the whole of what the
+    earlier ones gathered: the bytes of one gather over their product group, hierarchically."""
     t = cfg.train
     layout, lora = _layout(cfg, mesh), _lora(cfg)
-    own = _state_bytes(cfg.model, layout, _key(mesh), lora)
+    ef = cfg.mesh.expert_fsdp
     dt = DTYPE_BYTES[t.dtype]
+    order = sorted((a for a in ("fsdp", "pipeline") + (("expert",) if ef else ()) if mesh[a] > 1),
+                   key=lambda a: spans[a][0])
+
+    @functools.cache
+    def held(done: tuple[str, ...]) -> dict[str, Any]:
+        """The state's bytes with the axes in `done` gathered (expert: the default rules, under
+        which it splits the routed experts alone)."""
+        m = {**mesh, **{a: 1 for a in done if a != "expert"}}
+        return _state_bytes(cfg.model, layout, _key(m, ef and "expert" not in done), lora)
+
+    def gathered(axis: str, part: str | None) -> float:
+        """The ring size of `axis`'s gather of `part` (None: LoRA's frozen base weights): a device
+        lacks (f-1)/f of the leaves the axis splits, so those leaves whole are (whole - own) x f/(f-1)."""
+        axes = [a for a in order if not (a == "pipeline" and part in ("moe_layers", None))]    # a stage's own slots
+        if axis not in axes:
+            return 0.0
+        before = tuple(axes[:axes.index(axis)])
+        whole, own = held(before + (axis,)), held(before)
+        n = (whole["by_part"][part] - own["by_part"][part]) if part else (whole["frozen"] - own["frozen"])
+        return n * mesh[axis] / (mesh[axis] - 1)
+
     out = []
-    for axis in ("fsdp", "pipeline"):
-        f = mesh[axis]
-        if f == 1:
-            continue
-        whole = _state_bytes(cfg.model, layout, _key({**mesh, axis: 1}), lora)
+    for axis in order:
         # under 1F1B each of the M ticks that run an epilogue gathers the head, the MTP blocks
         # and (for the MTP blocks' lookups, in fp32) the embedding once for its forward and
         # backward, and reduce-scatters their gradients (pipeline.loss_and_grads_1f1b)
@@ -809,15 +857,13 @@ def _fsdp_traffic(cfg: Config, mesh: dict[str, int]) -> list[tuple[str, str, str
             ticks = t.grad_accum * t.microbatches
             ticked = {"lm_head_DW": (ticks, dt), "final_norm": (ticks, dt), "mtp": (ticks, dt),
                       **({"embed": (ticks, F32)} if cfg.model.num_nextn_predict_layers else {})}
-        # a device lacks (f-1)/f of the leaves the axis splits (the others are whole on it): those
-        # leaves whole, the size the ring formulas take, are (whole - own) x f/(f-1)
-        for part, n in whole["by_part"].items():
-            if axis == "pipeline" and part == "moe_layers":
-                continue                                                # the stages' own slots
+        for part in held(())["by_part"]:
+            size = gathered(axis, part)
+            if not size:
+                continue
             calls = t.grad_accum * (t.microbatches if part == "moe_layers" and mesh["pipeline"] > 1 else 1)
             if part in EPILOGUE_PARTS and not ticked:
                 calls *= t.epilogue_chunks        # each chunk's forward (recomputed) and backward gathers them
-            size = (n - own["by_part"][part]) * f / (f - 1)
             if part not in ticked or part == "embed":                   # the prologue's embedding
                 out += [(axis, "weight all-gathers", "all_gather", FSDP_GATHERS * calls * size * dt / F32),
                         (axis, "gradient reduce-scatters", "all_gather", calls * size)]
@@ -825,8 +871,7 @@ def _fsdp_traffic(cfg: Config, mesh: dict[str, int]) -> list[tuple[str, str, str
                 n_ticks, gdt = ticked[part]
                 out += [(axis, "weight all-gathers", "all_gather", n_ticks * size * gdt / F32),
                         (axis, "gradient reduce-scatters", "all_gather", n_ticks * size)]
-        if whole["frozen"] and axis == "fsdp":                          # LoRA's base weights, as stored
-            size = (whole["frozen"] - own["frozen"]) * f / (f - 1)
+        if held(())["frozen"] and (size := gathered(axis, None)):        # LoRA's base weights, as stored
             out.append((axis, "weight all-gathers", "all_gather", FSDP_GATHERS * t.grad_accum * size))
     return out
 
@@ -858,7 +903,7 @@ def _grad_traffic(cfg: Config, mesh: dict[str, int], spans: dict[str, tuple[int,
     embedding's fp32 gathers counted so too: a small share)."""
     out = []
     low = cfg.optim.zero1 and compute_gather(cfg) is not None
-    for group, size in _grad_groups(cfg.model, _layout(cfg, mesh), _key(mesh), _lora(cfg)):
+    for group, size in _grad_groups(cfg.model, _layout(cfg, mesh), _key(mesh, cfg.mesh.expert_fsdp), _lora(cfg)):
         size *= (1 + DTYPE_BYTES[cfg.train.dtype] / F32) / 2 if low else 1
         for a in sorted(group, key=lambda a: (-spans[a][0], spans[a][1])):
             out.append((a, "gradient all-reduce", "all_reduce", size))
@@ -1032,7 +1077,7 @@ def communication(cfg: Config, mesh: dict[str, int], dcn: dict[str, int], hardwa
     spans = {a: _span(grid, a) for a in AXES if mesh[a] > 1}
     axes = {a: {"size": mesh[a], "gpus_per_node": i, "nodes": n, "link": "ib" if n > 1 else "nvlink",
                 "nvlink_bytes": 0, "ib_bytes": 0, "parts": {}} for a, (i, n) in spans.items()}
-    for axis, what, kind, size in [*_fsdp_traffic(cfg, mesh), *_grad_traffic(cfg, mesh, spans),
+    for axis, what, kind, size in [*_fsdp_traffic(cfg, mesh, spans), *_grad_traffic(cfg, mesh, spans),
                                    *_activation_traffic(cfg, mesh, g)]:
         if kind == "all_to_all_nodes":              # the hierarchical exchange's groups: one shard a node
             nv, ib = _collective("all_to_all", size, 1, g.nodes)
@@ -1059,9 +1104,10 @@ def communication(cfg: Config, mesh: dict[str, int], dcn: dict[str, int], hardwa
 
 
 # ------------------------------------------------------------------------------------------ plan
-def _mesh_config(mesh: dict[str, int], dcn: dict[str, int] | None = None) -> MeshConfig:
+def _mesh_config(cfg: Config, mesh: dict[str, int], dcn: dict[str, int] | None = None) -> MeshConfig:
+    """`cfg`'s mesh section with the sizes `mesh` and `dcn` (its other keys kept)."""
     dcn = dcn or {}
-    return MeshConfig(**{a: mesh.get(a, 1) for a in AXES}, **{f"dcn_{a}": dcn.get(a, 1) for a in AXES})
+    return dataclasses.replace(cfg.mesh, **{a: mesh.get(a, 1) for a in AXES}, **{f"dcn_{a}": dcn.get(a, 1) for a in AXES})
 
 
 def _dcn_str(dcn: dict[str, int]) -> str:
@@ -1090,7 +1136,7 @@ def check_dcn(mesh: dict[str, int], dcn: dict[str, int] | None, nodes: int) -> d
 def mesh_error(cfg: Config, mesh: dict[str, int]) -> str | None:
     """config.validate's refusal of `cfg` on `mesh`, or None when r1jax runs it."""
     try:
-        configlib.validate(dataclasses.replace(cfg, mesh=_mesh_config(mesh)))
+        configlib.validate(dataclasses.replace(cfg, mesh=_mesh_config(cfg, mesh)))
         return None
     except ConfigError as e:
         return str(e)
@@ -1367,7 +1413,7 @@ def measure(cfg: Config, mesh_shape: dict[str, int]) -> dict[str, int]:
     from r1jax.train import state as statelib
     from r1jax.train.step import make_train_step
 
-    mesh_cfg = _mesh_config(mesh_shape)
+    mesh_cfg = _mesh_config(cfg, mesh_shape)
     cfg = dataclasses.replace(cfg, mesh=mesh_cfg)
     n = math.prod(mesh_shape.get(a, 1) for a in AXES)
     mesh = meshlib.make_mesh(mesh_cfg, jax.devices()[:n])

@@ -55,19 +55,19 @@ def rngs(seed) -> nnx.Rngs:
 def target(cfg: Config, mesh: Mesh, layout: Layout | None) -> tuple[nnx.GraphDef, nnx.State]:
     """(graphdef, the state in `layout` as ShapeDtypeStructs carrying their shardings on `mesh`)."""
     graphdef, abs_state = graph(cfg)
-    return graphdef, _sharded(pipeline.to_slots(abs_state, layout), mesh)
+    return graphdef, _sharded(pipeline.to_slots(abs_state, layout), mesh, meshlib.rules(cfg.mesh))
 
 
-def _sharded(abs_state: nnx.State, mesh: Mesh) -> nnx.State:
-    sh = meshlib.shardings(abs_state, mesh)
+def _sharded(abs_state: nnx.State, mesh: Mesh, table: tuple = meshlib.LOGICAL_RULES) -> nnx.State:
+    sh = meshlib.shardings(abs_state, mesh, table)
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abs_state, sh)
 
 
 @functools.lru_cache(maxsize=16)
 def _compiled_init(m: ModelConfig, mesh: Mesh | None, layout: Layout | None, paths: tuple | None,
-                   lora: LoraConfig | None = None):
-    """The init as one compiled program (its leaves in their shards on `mesh`; on the default
-    device without one). Building the module eagerly dispatches every random draw on its own,
+                   lora: LoraConfig | None = None, table: tuple = meshlib.LOGICAL_RULES):
+    """The init as one compiled program (its leaves in their shards on `mesh` under the rules
+    `table`; on the default device without one). Building the module eagerly dispatches every random draw on its own,
     which XLA:CPU compiles one by one: about 20 s for tests' tiny models against 5 s here."""
     _, abs_state = modellib.abstract(m, lora=lora)
     tgt = pipeline.to_slots(abs_state, layout)
@@ -89,8 +89,8 @@ def _compiled_init(m: ModelConfig, mesh: Mesh | None, layout: Layout | None, pat
     seed = jax.ShapeDtypeStruct((), jnp.uint32)
     if mesh is None:
         return jax.jit(init).lower(seed).compile(options)
-    with meshlib.activate(mesh):
-        return jax.jit(init, out_shardings=meshlib.shardings(tgt, mesh)).lower(seed).compile(options)
+    with meshlib.activate(mesh, table):
+        return jax.jit(init, out_shardings=meshlib.shardings(tgt, mesh, table)).lower(seed).compile(options)
 
 
 def _only(state: nnx.State, paths: tuple) -> nnx.State:
@@ -101,8 +101,9 @@ def _only(state: nnx.State, paths: tuple) -> nnx.State:
 def fresh(cfg: Config, mesh: Mesh, layout: Layout | None = None, paths: list[tuple] | None = None) -> nnx.State:
     """Freshly initialised weights from `train.seed` in their shards and in `layout` (only the
     leaves at `paths` when given: the same values the whole init would give them)."""
-    init = _compiled_init(cfg.model, mesh, layout, None if paths is None else tuple(paths), _lora(cfg))
-    with meshlib.activate(mesh):
+    table = meshlib.rules(cfg.mesh)
+    init = _compiled_init(cfg.model, mesh, layout, None if paths is None else tuple(paths), _lora(cfg), table)
+    with meshlib.activate(mesh, table):
         return init(jnp.uint32(cfg.train.seed))
 
 

@@ -22,7 +22,7 @@ from jax.experimental import mesh_utils
 
 from r1jax import config as configlib
 from r1jax.config import ConfigError, MeshConfig
-from r1jax.parallel.mesh import AXES, hybrid_order, make_mesh, spans
+from r1jax.parallel.mesh import AXES, hybrid_order, make_mesh, one_stage, spans
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
 NODE_GPUS = 8
@@ -111,3 +111,16 @@ def test_one_process_default_layout_is_the_device_order():
     with pytest.raises(ConfigError, match=r"the job has 1 process "):
         make_mesh(MeshConfig(data=-1, dcn_data=2), jax.devices())
 
+
+
+def test_generation_in_one_process_drops_the_run_s_node_layout():
+    """A run trained with its pipeline across 2 processes (mesh.dcn_pipeline=2) generates and
+    evaluates in one process: the pipeline folds into data and the dcn sizes go (make_mesh
+    refused the run's own mesh there: dcn_pipeline=2 must divide pipeline 1)."""
+    run = MeshConfig(data=2, expert=2, pipeline=2, dcn_pipeline=2, expert_fsdp=True)
+    got = one_stage(run)
+    assert (got.data, got.expert, got.pipeline) == (-1, 2, 1)
+    assert all(getattr(got, f"dcn_{a}") == 1 for a in AXES)
+    assert dict(make_mesh(got).shape) == {"data": 4, "fsdp": 1, "tensor": 1, "expert": 2, "pipeline": 1}
+    with pytest.raises(ConfigError, match="must divide mesh.pipeline"):
+        make_mesh(dataclasses.replace(run, pipeline=1, data=-1))

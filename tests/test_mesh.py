@@ -19,6 +19,7 @@ from r1jax import model as modellib
 from r1jax import weights
 from r1jax.parallel import mesh as meshlib
 from r1jax.parallel import pipeline
+from r1jax.train import state as statelib
 from runs import train_tiny
 
 pytestmark = pytest.mark.slow      # whole runs, meshes or processes: `make test`, not `make check`
@@ -110,6 +111,16 @@ MESHES = {
                                     "pipeline.schedule=1f1b"],
     "pipeline2_expert2_data2_1f1b": ["mesh.data=2", "mesh.expert=2", "mesh.pipeline=2", "train.microbatches=2",
                                      "pipeline.schedule=1f1b"],
+    # mesh.expert_fsdp: the non-expert weights ZeRO-3-sharded over the expert group too, gathered
+    # by GSPMD where they run (inside the stages: GPipe's and circular's partly manual region,
+    # 1F1B's lock-step ticks with data manual)
+    "expert4_data2_expert_fsdp": ["mesh.data=2", "mesh.expert=4", "mesh.expert_fsdp=true"],
+    "pipeline2_expert2_data2_circular_expert_fsdp": ["mesh.data=2", "mesh.expert=2", "mesh.pipeline=2",
+                                                     "train.microbatches=2", "pipeline.schedule=circular",
+                                                     "pipeline.repeats=2", "mesh.expert_fsdp=true"],
+    "pipeline2_expert2_data2_1f1b_expert_fsdp": ["mesh.data=2", "mesh.expert=2", "mesh.pipeline=2",
+                                                 "train.microbatches=2", "pipeline.schedule=1f1b",
+                                                 "mesh.expert_fsdp=true"],
     # M > P: outputs wait in a ring of M-P+1 slots for their next repeat (4 repeats: the ring
     # wraps), and a microbatch's rows sit on some stages only (2 rows a stage, 4 microbatches);
     # the epilogue on one of a device's 2 rows at a time
@@ -124,7 +135,7 @@ MESHES = {
 def test_mesh_equals_one_device(name, request):
     ref_losses, ref_params = request.getfixturevalue("masked_reference" if name.endswith("_masked") else "reference")
     pipelined = any(o.startswith("mesh.pipeline=") for o in MESHES[name])
-    size = math.prod(int(o.split("=")[1]) for o in MESHES[name] if o.startswith("mesh."))   # its devices
+    size = math.prod(int(o.split("=")[1]) for o in MESHES[name] if o.startswith("mesh.") and o.split("=")[1].isdigit())   # its devices
     cfg, mesh, state, shardings, losses = _run(MESHES[name], jax.devices()[:size],
                                                model=None if pipelined else request.getfixturevalue("init_model"))
     d_loss = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
@@ -143,6 +154,11 @@ def test_mesh_equals_one_device(name, request):
     mu = modellib.leaves(state["opt"][1][0].mu if cfg.optim.clip_norm else state["opt"][0].mu)
     for path, arr in mu.items():
         assert arr.sharding.is_equivalent_to(p_sh[path], arr.ndim), path
+    if cfg.mesh.expert_fsdp:     # the attention's, shared expert's and head's weights split over expert too
+        model_sh = modellib.leaves(statelib.model_shardings(shardings["params"], mesh, meshlib.rules(cfg.mesh)))
+        dense = {"DQ", "DC", "DR", "DF", "FD", "NVD", "WD", "DW", "CNK", "CNV", "QNH", "DE", "2DD"}   # not EDF, EFD
+        split = [p for p in model_sh if str(p[-1]).rsplit("_", 1)[-1] in dense]
+        assert len(split) > 20 and all("expert" in str(model_sh[p].spec) for p in split)
 
 
 def test_params_are_born_sharded(init_model):

@@ -153,6 +153,11 @@ def test_two_processes_train_like_one(two, one):
     # the issue's case: expert parallelism inside stages that span the processes
     ("pipeline across, gpipe, expert 2 x data 2 inside", ["mesh.data=2", "mesh.expert=2", "mesh.pipeline=2",
                                                          "mesh.dcn_pipeline=2", "train.microbatches=2"], "pipeline 2"),
+    # the 256-GPU plan's layout scaled down: circular stages across, and FSDP inside them
+    # (mesh.expert_fsdp: the non-expert weights sharded over the expert group too)
+    ("pipeline across, circular, expert 2 x data 2 inside, expert_fsdp",
+     ["mesh.data=2", "mesh.expert=2", "mesh.pipeline=2", "mesh.dcn_pipeline=2", "train.microbatches=2",
+      "pipeline.schedule=circular", "pipeline.repeats=2", "mesh.expert_fsdp=true"], "pipeline 2"),
     ("pipeline across, gpipe, tensor 2 x data 2 inside (the seeds' layout)",
      ["mesh.data=2", "mesh.tensor=2", "mesh.pipeline=2", "mesh.dcn_pipeline=2", "train.microbatches=2"], "pipeline 2"),
 ])

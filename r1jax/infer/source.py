@@ -41,7 +41,9 @@ class Source:
         With `quantize="fp8"`, an HF checkpoint in DeepSeek's FP8 format keeps its e4m3 weights
         and block scales (r1jax/infer/quant.py QArrays); otherwise they are dequantised on read."""
         m = dataclasses.replace(self.cfg.model, init_from=self.init_from)
-        cfg = dataclasses.replace(self.cfg, model=m)
+        # a run's mesh.expert_fsdp trades gathers for training memory; decode, which reads every
+        # weight every step, places them by the default rules (whole over expert)
+        cfg = dataclasses.replace(self.cfg, model=m, mesh=dataclasses.replace(self.cfg.mesh, expert_fsdp=False))
         if quantize == "fp8" and self.init_from.startswith("hf:") and hf.is_fp8(self.init_from[3:]):
             return _load_fp8(cfg, self.init_from[3:], mesh, log)
         return weights.initial(cfg, mesh, None, log)
@@ -55,8 +57,7 @@ class Source:
         from r1jax.infer.generator import Generator
         from r1jax.parallel import mesh as meshlib
         cfg = self.cfg
-        mesh_cfg = cfg.mesh if cfg.mesh.pipeline == 1 else dataclasses.replace(cfg.mesh, pipeline=1, data=-1)
-        mesh = meshlib.make_mesh(mesh_cfg)
+        mesh = meshlib.make_mesh(meshlib.one_stage(cfg.mesh))
         state = self.load(mesh, log, quantize)
         eos = toklib.eos_id(tokenizer) if tokenizer is not None else None
         eos = cfg.model.eos_token_id if eos is None else eos

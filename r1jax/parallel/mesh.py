@@ -16,6 +16,7 @@ state and constraining gradients to the parameters' annotations.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from typing import Hashable, Sequence
 
@@ -64,6 +65,22 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("cache_seq", None),             # the decode cache's positions (r1jax/infer/cache.py)
     ("stages", "pipeline"),          # the pipelined MoE stack's slots (see parallel/pipeline.py)
 )
+
+# mesh.expert_fsdp: the weights' embedding-width dimensions (those of the rules above that shard
+# over fsdp) also split over `expert`, a batch axis for everything but the routed experts, so the
+# attention, shared-expert, router, dense and outer weights are ZeRO-3-sharded over the expert
+# group as over fsdp (MaxText's `embed` rule) and gathered per layer where they run. The routed
+# experts' `experts` dimension takes `expert` first (logical.spec), so they are unchanged.
+_EXPERT_FSDP = {"embed", "q_lora_in", "kv_lora_in"}
+
+
+def rules(cfg: MeshConfig | None = None) -> tuple:
+    """The rules table for a mesh config: LOGICAL_RULES, with `expert` added to the weights'
+    fsdp dimensions under `mesh.expert_fsdp`."""
+    if cfg is None or not cfg.expert_fsdp:
+        return LOGICAL_RULES
+    return tuple((name, (*logical.axes_of(axes), "expert") if name in _EXPERT_FSDP else axes)
+                 for name, axes in LOGICAL_RULES)
 
 
 def make_mesh(cfg: MeshConfig, devices: list | None = None) -> Mesh:
@@ -131,15 +148,27 @@ def spans(mesh: Mesh) -> dict[str, int]:
     return out
 
 
+def one_stage(cfg: MeshConfig) -> MeshConfig:
+    """A run's mesh section for generation and evaluation, which run the model as one stage: a
+    pipeline axis folds into data; in one process its node-aware sizes go too (they describe
+    how a multi-process job's devices sit on nodes, and one process is one node)."""
+    if cfg.pipeline > 1:
+        cfg = dataclasses.replace(cfg, pipeline=1, data=-1)
+    if jax.process_count() == 1:
+        cfg = dataclasses.replace(cfg, **{f"dcn_{a}": 1 for a in AXES})
+    return cfg
+
+
 def single_device_mesh(device=None) -> Mesh:
     device = jax.devices()[0] if device is None else device
     return make_mesh(MeshConfig(data=1), [device])
 
 
 @contextlib.contextmanager
-def activate(mesh: Mesh):
-    """Mesh + logical rules: needed wherever annotated variables are created or resolved."""
-    with jax.set_mesh(mesh), nnx.logical_axis_rules(LOGICAL_RULES):
+def activate(mesh: Mesh, table: tuple = LOGICAL_RULES):
+    """Mesh + logical rules (`table`: `rules(cfg.mesh)`): needed wherever annotated variables
+    are created or resolved."""
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(table):
         yield mesh
 
 
@@ -148,26 +177,27 @@ class MeshedJit:
     activation constraints and shard_map inside it see the mesh. `jax.set_mesh` cannot be
     entered inside `jax.jit`, and `jit` does not capture the context it was created in."""
 
-    def __init__(self, fn, mesh: Mesh):
-        self.fn, self.mesh = fn, mesh
+    def __init__(self, fn, mesh: Mesh, table: tuple = LOGICAL_RULES):
+        self.fn, self.mesh, self.table = fn, mesh, table
 
     def __call__(self, *args, **kwargs):
-        with activate(self.mesh):
+        with activate(self.mesh, self.table):
             return self.fn(*args, **kwargs)
 
     def lower(self, *args, **kwargs):
-        with activate(self.mesh):
+        with activate(self.mesh, self.table):
             return self.fn.lower(*args, **kwargs)
 
 
-def shardings(tree, mesh: Mesh):
+def shardings(tree, mesh: Mesh, table: tuple = LOGICAL_RULES):
     """`tree` with every nnx Variable's value replaced by the NamedSharding its logical names
-    resolve to on `mesh` (abstract or concrete leaves); plain leaves (counters) are replicated."""
+    resolve to on `mesh` under `table` (abstract or concrete leaves); plain leaves (counters)
+    are replicated."""
     def one(x):
         if isinstance(x, nnx.Variable):
             return x.replace(NamedSharding(mesh, logical.spec(*logical.names_of(x))))
         return replicated(mesh)
-    with activate(mesh):
+    with activate(mesh, table):
         return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 

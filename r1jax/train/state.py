@@ -112,10 +112,11 @@ def zero1(tree: State, shardings: State, mesh: Mesh) -> State:
     return {**shardings, "params": part(tree["params"], shardings["params"]), "opt": part(tree["opt"], shardings["opt"])}
 
 
-def model_shardings(params_shardings: nnx.State, mesh: Mesh) -> nnx.State:
-    """The model's own shardings of the trainable leaves (what their logical names resolve to),
-    whatever `params_shardings` (the state's: ZeRO-1 or not) says."""
-    return meshlib.shardings(params_shardings, mesh)
+def model_shardings(params_shardings: nnx.State, mesh: Mesh, table: tuple = meshlib.LOGICAL_RULES) -> nnx.State:
+    """The model's own shardings of the trainable leaves (what their logical names resolve to
+    under `table`, the run's `meshlib.rules`), whatever `params_shardings` (the state's: ZeRO-1
+    or not) says."""
+    return meshlib.shardings(params_shardings, mesh, table)
 
 
 def abstract(model_state: nnx.State, tx: optax.GradientTransformation, cfg: Config,
@@ -126,7 +127,7 @@ def abstract(model_state: nnx.State, tx: optax.GradientTransformation, cfg: Conf
     params, rest = split(model_state, cfg)
     tree = {"params": params, "rest": rest, "opt": jax.eval_shape(tx.init, params),
             **jax.eval_shape(lambda: _counters(cfg))}
-    shardings = meshlib.shardings(tree, mesh)
+    shardings = meshlib.shardings(tree, mesh, meshlib.rules(cfg.mesh))
     if cfg.optim.zero1:
         shardings = zero1(tree, shardings, mesh)
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings), shardings

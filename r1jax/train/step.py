@@ -196,7 +196,8 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, cfg: Config, mes
     fp16 = t.dtype is DType.fp16
     has_moe = cfg.model.num_moe_layers > 0
     zsh = shardings["params"]                              # the masters' (ZeRO-1 or the model's)
-    msh = statelib.model_shardings(zsh, mesh)              # the model's: forward, backward, gradients
+    table = meshlib.rules(cfg.mesh)
+    msh = statelib.model_shardings(zsh, mesh, table)       # the model's: forward, backward, gradients
     gather = jax.tree.leaves(zsh) != jax.tree.leaves(msh)  # ZeRO-1 on a mesh where it splits something
     layout = pipeline.mesh_layout(cfg, mesh)
     lr_schedule = optim.schedule(cfg.optim, t.steps)
@@ -337,9 +338,9 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, cfg: Config, mes
         new.update(step=state["step"] + 1, loss_scale=ls)
         return new, metrics
 
-    with meshlib.activate(mesh):
+    with meshlib.activate(mesh, table):
         return meshlib.MeshedJit(jax.jit(train_step, donate_argnums=0, in_shardings=(shardings, meshlib.batch_sharding(mesh)),
-                                         out_shardings=(shardings, meshlib.replicated(mesh))), mesh)
+                                         out_shardings=(shardings, meshlib.replicated(mesh))), mesh, table)
 
 
 def make_eval_step(graphdef, cfg: Config, mesh: Mesh, shardings: State, objective: Objective | None = None):
@@ -347,7 +348,8 @@ def make_eval_step(graphdef, cfg: Config, mesh: Mesh, shardings: State, objectiv
     same forward as training (pipelined when the run is). Build it once per run."""
     objective = objective or objectives.make(cfg)
     layout = pipeline.mesh_layout(cfg, mesh)
-    msh = statelib.model_shardings(shardings["params"], mesh)
+    table = meshlib.rules(cfg.mesh)
+    msh = statelib.model_shardings(shardings["params"], mesh, table)
     gather = jax.tree.leaves(shardings["params"]) != jax.tree.leaves(msh)
 
     def eval_step(state, batch):
@@ -355,9 +357,9 @@ def make_eval_step(graphdef, cfg: Config, mesh: Mesh, shardings: State, objectiv
         model = nnx.merge(graphdef, params, state["rest"])
         return model_loss(model, batch, cfg, layout, objective, 1.0, batch["ids"].shape[0])[1]["metrics"]
 
-    with meshlib.activate(mesh):
+    with meshlib.activate(mesh, table):
         return meshlib.MeshedJit(jax.jit(eval_step, in_shardings=(shardings, meshlib.batch_sharding(mesh)),
-                                         out_shardings=meshlib.replicated(mesh)), mesh)
+                                         out_shardings=meshlib.replicated(mesh)), mesh, table)
 
 
 class Setup(NamedTuple):
