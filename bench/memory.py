@@ -13,7 +13,7 @@ seq_len) batch and compiled, and the table reports:
   - for pipeline meshes: the schedule, pipeline microbatches M, repeats R and the lockstep bubble
     (`r1jax.parallel.pipeline.bubble`: (P-1)/(M*R+P-1), 1f1b (2P-2)/(M+2P-2)).
 Then two pipeline schedules, gpipe and 1f1b, on (pipeline 4, data 2) at M=4 and M=8 with the
-microbatch fixed at 2 rows (global batch 2M), to show how their temp memory grows with M; and the
+microbatch fixed at 8 rows (global batch 8M), to show how their temp memory grows with M; and the
 (fsdp 8) / (data 8) ratio of per-device param+opt bytes on `--config` and on `--fsdp-config`
 (a config whose attention low-rank matrices are a small share of the weights; built, not
 compiled, as the ratio needs only the state's shards).
@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
              "`compiled.memory_analysis()` of the whole train step (argument = the state plus this device's batch "
              "rows; temp = activations and workspace). Bubble: (P-1)/(M*R+P-1); 1f1b (2P-2)/(M+2P-2).\n"),
             "\n".join(table) + "\n",
-            f"Pipeline schedules on (pipeline 4, data 2), {cfg_name}, microbatches of 2 rows (global batch 2M):\n",
+            f"Pipeline schedules on (pipeline 4, data 2), {cfg_name}, microbatches of 8 rows (global batch 8M):\n",
             "\n".join(stable) + "\n",
             "(fsdp 8) against (data 8), per-device param+opt bytes (a second config's state is built, not compiled):\n",
             "\n".join(rtable) + "\n"]
