@@ -195,10 +195,9 @@ def _rule(name: str | None, expert_fsdp: bool = False) -> tuple[str, ...]:
     return ()
 
 
-def shard_shape(shape: tuple[int, ...], names: tuple[str | None, ...], mesh: dict[str, int],
-                expert_fsdp: bool = False) -> tuple[int, ...]:
+def shard_shape(shape: tuple[int, ...], names: tuple[str | None, ...], mesh: dict[str, int]) -> tuple[int, ...]:
     """One device's shard of an array with logical `names` on `mesh` (GSPMD pads uneven shards)."""
-    return _shard_shape(tuple(shape), tuple(names), _key(mesh, expert_fsdp))
+    return _shard_shape(tuple(shape), tuple(names), _key(mesh))
 
 
 @functools.lru_cache(maxsize=65536)
@@ -826,8 +825,7 @@ def _fsdp_traffic(cfg: Config, mesh: dict[str, int], spans: dict[str, tuple[int,
     layout, lora = _layout(cfg, mesh), _lora(cfg)
     ef = cfg.mesh.expert_fsdp
     dt = DTYPE_BYTES[t.dtype]
-    order = sorted((a for a in ("fsdp", "pipeline") + (("expert",) if ef else ()) if mesh[a] > 1),
-                   key=lambda a: spans[a][0])
+    order = sorted((a for a in _gather_axes(cfg, "") if mesh[a] > 1), key=lambda a: spans[a][0])
 
     @functools.cache
     def held(done: tuple[str, ...]) -> dict[str, Any]:

@@ -67,8 +67,9 @@ def _sharded(abs_state: nnx.State, mesh: Mesh, table: tuple = meshlib.LOGICAL_RU
 def _compiled_init(m: ModelConfig, mesh: Mesh | None, layout: Layout | None, paths: tuple | None,
                    lora: LoraConfig | None = None, table: tuple = meshlib.LOGICAL_RULES):
     """The init as one compiled program (its leaves in their shards on `mesh` under the rules
-    `table`; on the default device without one). Building the module eagerly dispatches every random draw on its own,
-    which XLA:CPU compiles one by one: about 20 s for tests' tiny models against 5 s here."""
+    `table`; on the default device without one). Building the module eagerly dispatches every
+    random draw on its own, which XLA:CPU compiles one by one: about 20 s for tests' tiny models
+    against 5 s here."""
     _, abs_state = modellib.abstract(m, lora=lora)
     tgt = pipeline.to_slots(abs_state, layout)
     if paths is not None:
