@@ -54,12 +54,13 @@ def test_dispatch_equals_per_expert_loop(kind, kw):
     assert dy < 1e-5 and dg < 1e-5
 
 
-@pytest.mark.parametrize("tile,tokens", [(1, T), (3, T), (8, T), (256, T), (1, 1)])
+@pytest.mark.parametrize("tile,tokens", [(1, 5), (3, 5), (8, 5), (256, 5), (1, 1), (8, T)])
 @pytest.mark.parametrize("layout", ["separate", "stacked"])
 def test_grouped_equals_per_expert_loop(tile, tokens, layout):
     """`grouped` (inference only: forward) with the experts as separate arrays (the generator's
     layout) or stacked; any tile, including ones that split an expert's run and one past all
-    pairs; one token's pairs take the unrolled tiles (a decode step at batch 1)."""
+    pairs; one token's pairs take the unrolled tiles (a decode step at batch 1), 5 tokens' the
+    tile loop, T tokens' (15 pairs an expert) the static slots."""
     x, router, bias, experts = _inputs()
     x = x[:tokens]
     wts, idx, _ = route(x, router, bias, CFG)
@@ -67,8 +68,29 @@ def test_grouped_equals_per_expert_loop(tile, tokens, layout):
     if layout == "separate":
         experts = [tuple(a[e] for e in range(E)) for a in experts]
     y, dropped = jax.jit(lambda x, w, i, ex: dispatch.routed_grouped(x, w, i, *ex, tile=tile))(x, wts, idx, experts)
-    if tile == 1:                      # one token: the unrolled tiles; T tokens: the loop
+    if tile == 1:                      # one token: the unrolled tiles; 5 tokens: the loop
         assert (tokens * K <= dispatch.UNROLL_TILES) == (tokens == 1)
+    assert (dispatch.SLOTS_MIN_MEAN * E <= tokens * K <= dispatch.SLOTS_MAX_MEAN * E) == (tokens == T)
+    assert int(dropped) == 0
+    assert float(jnp.abs(y - y_ref).max()) < 1e-5
+
+
+@pytest.mark.parametrize("layout", ["separate", "stacked"])
+def test_grouped_slots_overflow_runs_through_tiles(layout):
+    """The static slots take C = SLOT_FACTOR x the mean pairs an expert; an expert every token
+    picks first overflows them (40 pairs against 23 slots), and experts nobody picks leave theirs
+    empty: the overflow's tiles (an odd count) and the empty slots still give the loop's output."""
+    x, _, _, experts = _inputs()
+    r = np.random.default_rng(3)
+    rest = np.stack([r.choice(np.arange(1, E // 2), K - 1, replace=False) for _ in range(T)])
+    idx = jnp.asarray(np.concatenate([np.zeros((T, 1), int), rest], 1), jnp.int32)   # experts 4..7: none
+    wts = jnp.asarray(r.random((T, K)), jnp.float32)
+    C = math.ceil(dispatch.SLOT_FACTOR * T * K / E)
+    assert (np.bincount(np.asarray(idx).ravel(), minlength=E)[0] - C) % dispatch.OVERFLOW_TILE == 1
+    y_ref, _ = dispatch.routed_loop(x, wts, idx, *experts)
+    if layout == "separate":
+        experts = [tuple(a[e] for e in range(E)) for a in experts]
+    y, dropped = jax.jit(lambda x, w, i, ex: dispatch.routed_grouped(x, w, i, *ex, tile=8))(x, wts, idx, experts)
     assert int(dropped) == 0
     assert float(jnp.abs(y - y_ref).max()) < 1e-5
 

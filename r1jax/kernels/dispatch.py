@@ -22,7 +22,8 @@ weights gate/up [E,D,F], down [E,F,D]; all return (y [T,D], dropped pairs int32 
   `switch` on the expert. Given the experts as tuples of separate [D,F]/[F,D] arrays (the
   generator's layout), only the selected experts' weights are read, once per tile, and never
   copied; about the useful FLOPs at any batch. Stacked [E,...] weights work too, at the cost of
-  a slice of the tile's expert.
+  a slice of the tile's expert. Once each expert averages a few pairs (decode at batch 32), each
+  expert gets static slots instead, run as E unrolled GEMMs, and only the overflow takes tiles.
 """
 from __future__ import annotations
 
@@ -239,30 +240,75 @@ def routed_dense(x, w, idx, gate, up, down, **_):
 UNROLL_TILES = 4
 
 
+# `grouped` gives every expert static slots while each averages SLOTS_MIN_MEAN to
+# SLOTS_MAX_MEAN pairs (SLOT_FACTOR x the mean, rounded up), the pairs beyond an expert's slots
+# in tiles of OVERFLOW_TILE rows. moe_small decode (8 experts, fp32, one process, 8 alternating
+# rounds, ms a step best / median): batch 32 (8 pairs an expert) the tile loop 11.85-12.25 /
+# 12.18-12.72, slots at 1.5x 10.78-11.30 / 11.53-11.87 (1.25x 11.32, 1.75x 11.53, 2x 11.34);
+# batch 8 (2 an expert) a tie (6.31 / 6.80 against 6.15 / 6.86), so the tiles keep it. Past
+# SLOTS_MAX_MEAN (prefill) the tiles' loop is a small cost and the slots' padding a large one:
+# batch 32's 64-token prefill (512 pairs an expert) took 151-166 ms with the tiles, 178-186
+# with slots.
+SLOTS_MIN_MEAN = 4
+SLOTS_MAX_MEAN = 32
+SLOT_FACTOR = 1.5
+OVERFLOW_TILE = 2
+
+
+def _expert_tiles(xs, row_token, tile_e, live, n_tiles, tile, branches, D, dtype):
+    """Rows of `tile` tokens each multiplied by its tile's expert through a `switch`: unrolled
+    when there are a few tiles (every tile runs; one past the live ones computes a padding row
+    nobody reads), else one loop over the live tiles."""
+    def body(n, ys):
+        xt = xs[lax.dynamic_slice_in_dim(row_token, n * tile, tile)]
+        return lax.dynamic_update_slice_in_dim(ys, lax.switch(tile_e[n], branches, xt), n * tile, 0)
+
+    ys = jnp.zeros((n_tiles * tile, D), dtype)
+    if n_tiles <= UNROLL_TILES:
+        for n in range(n_tiles):
+            ys = body(n, ys)
+        return ys
+    return lax.fori_loop(0, live, body, ys)
+
+
 def routed_grouped(x, w, idx, gate, up, down, *, tile: int = 8, **_):
     """The dropless tile layout (each expert's pairs padded to whole tiles of `tile` rows), then
     per live tile a `switch` on its expert whose branch multiplies the tile by that expert's
     weights as they lie: a dynamic index into a stack would copy them, and a loop per expert
     costs a while loop per expert and layer even when nobody selected it. Expert ids >= E get
-    no rows and contribute zero (as in `dropless`)."""
+    no rows and contribute zero (as in `dropless`).
+
+    While each expert averages SLOTS_MIN_MEAN to SLOTS_MAX_MEAN pairs (decode at batch 32),
+    every expert instead gets C static slots
+    (SLOT_FACTOR x the mean) multiplied as E unrolled GEMMs against its own arrays, and only the
+    pairs past an expert's C run through the tiles (OVERFLOW_TILE rows each, usually none): no
+    loop trip or switch per tile."""
     T, k = idx.shape
     E, D = len(gate), x.shape[1]
-    row_token, tile_e, live, pair_row, n_tiles = _tiles(idx, E, tile)
     xs = jnp.concatenate([x, jnp.zeros((1, D), x.dtype)])                     # row T: padding
     branches = [lambda xt, e=e: swiglu(xt, gate[e], up[e], down[e]) for e in range(E)]
-
-    def body(n, ys):
-        xt = xs[lax.dynamic_slice_in_dim(row_token, n * tile, tile)]
-        return lax.dynamic_update_slice_in_dim(ys, lax.switch(tile_e[n], branches, xt), n * tile, 0)
-
-    ys = jnp.zeros((n_tiles * tile, D), x.dtype)
-    if n_tiles <= UNROLL_TILES:
-        # every tile runs; one past the live ones computes a padding row nobody reads
-        for n in range(n_tiles):
-            ys = body(n, ys)
-    else:
-        ys = lax.fori_loop(0, live, body, ys)
-    return _combine(ys, pair_row, w, T, k, x.dtype), jnp.int32(0)
+    if not SLOTS_MIN_MEAN * E <= T * k <= SLOTS_MAX_MEAN * E:
+        row_token, tile_e, live, pair_row, n_tiles = _tiles(idx, E, tile)
+        ys = _expert_tiles(xs, row_token, tile_e, live, n_tiles, tile, branches, D, x.dtype)
+        return _combine(ys, pair_row, w, T, k, x.dtype), jnp.int32(0)
+    C = math.ceil(SLOT_FACTOR * T * k / E)
+    order, sorted_e, sizes = _sort_pairs(idx, E)
+    se = jnp.minimum(sorted_e, E - 1)
+    rank = jnp.arange(T * k, dtype=jnp.int32) - (jnp.cumsum(sizes) - sizes)[se]
+    slot = jnp.where((sorted_e < E) & (rank < C), se * C + rank, E * C)      # E*C: not in a slot
+    slot_token = jnp.full((E * C,), T, jnp.int32).at[slot].set(order // k, mode="drop")
+    x_slots = xs[slot_token].reshape(E, C, D)
+    y_slots = jnp.concatenate([branches[e](x_slots[e]) for e in range(E)])   # [E*C, D]
+    pair_slot = jnp.zeros((T * k,), jnp.int32).at[order].set(slot)            # (t, j) -> slot row
+    in_slot = pair_slot < E * C
+    # the overflow: the dropless tiles over the pairs without a slot (the others marked elsewhere)
+    over = jnp.where(in_slot.reshape(T, k), E, idx)
+    row_token, tile_e, live, pair_row, n_tiles = _tiles(over, E, OVERFLOW_TILE)
+    y_over = _expert_tiles(xs, row_token, tile_e, live, n_tiles, OVERFLOW_TILE, branches, D, x.dtype)
+    # pair -> its row of [y_slots; y_over] (pair_row is past y_over, at _combine's zero row, for
+    # a pair in a slot or one of another shard's experts)
+    src = jnp.where(in_slot, pair_slot, E * C + pair_row)
+    return _combine(jnp.concatenate([y_slots, y_over]), src, w, T, k, x.dtype), jnp.int32(0)
 
 
 ROUTED = {"loop": routed_loop, "gather": routed_gather, "dense": routed_dense, "dropless": routed_dropless,
