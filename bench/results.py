@@ -50,7 +50,7 @@ def commands() -> list[list[str]]:
                  "--dtypes", "bf16", "--steps", "2", "--warmup", "1", "--out", "bench/results/bench_dense_small_bf16"])
     cmds.append([sys.executable, "-m", "r1jax.bench", "--config", COMPARE_CONFIGS[1], "--compare", "torch",
                  "--mode", "generate", "--batch-sizes", "1,8,32", "--prompt-len", "64", "--new-tokens", "64",
-                 "--context", "2048", "--out", "bench/results/generate_moe_small"])
+                 "--context", "2048", "--rounds", "3", "--repeats", "3", "--out", "bench/results/generate_moe_small"])
     return cmds
 
 
