@@ -693,7 +693,10 @@ def _phases(cfg: Config, mesh: dict[str, int], st: dict, g: Geometry) -> list[tu
         ep = _epilogue(cfg, g, rs // P if rs >= P else rs, gathered, local_sort=True)
         fwd = layer_working(m, g, True, rs, True) + w_gather
         epi = ep["saved"] + ep["all_logits"] + max(ep["bwd_work"], ep["fwd_work"])
-        bwd = layout.chunk * sum(layer_inventory(m, g, True, rs, True).values()) + layer_working(m, g, True, rs, True)
+        # the stage's backward: its forward again from the kept input, each layer keeping what
+        # the remat policy saves, then one layer's backward at a time (its recomputed tensors)
+        bwd = layout.chunk * layer_saved(m, g, True, rs, remat, True) + w_gather + (
+            layer_backward(m, g, True, rs, True) if remat is not Remat.none else layer_working(m, g, True, rs, True))
         return [*dense_phases, ph("1F1B ticks", r_dense + carry, 0, max(fwd, epi, bwd), 0), dense_bwd, opt]
 
     # the MoE stack: one scan (no pipeline), or GPipe/circular's scan over M*R+P-1 ticks, where
