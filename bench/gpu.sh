@@ -39,9 +39,10 @@ run dense_1b --config bench/configs/dense_1b.yaml --dtypes bf16
 run dense_1b_remat_none --config bench/configs/dense_1b.yaml --dtypes bf16 train.remat=none
 run moe_gpu_ragged --config bench/configs/moe_gpu.yaml --dtypes bf16 kernels.moe_dispatch=ragged
 run moe_gpu_capacity --config bench/configs/moe_gpu.yaml --dtypes bf16 kernels.moe_dispatch=capacity
-# generation: bf16 compute and cache, tokens/s at batch 1 and 64 (r1jax alone: no CUDA torch here)
+# generation: bf16 compute and cache, tokens/s at batch 1 and 64 (r1jax alone: no CUDA torch here;
+# one round of 3 repeats: a process per variant and batch, each compiling, on a quiet device)
 run generate_moe_gpu --config bench/configs/moe_gpu.yaml --mode generate --batch-sizes 1,64 --prompt-len 128 \
-    --new-tokens 128 --moe-decode dropless --quantize none,int8,fp8 infer.dtype=bf16 infer.cache_dtype=bf16
+    --new-tokens 128 --rounds 1 --repeats 3 --moe-decode dropless --quantize none,int8,fp8 infer.dtype=bf16 infer.cache_dtype=bf16
 
 # serving (bench/serve_load.py needs httpx, installed above)
 echo "=== serve_demo"
