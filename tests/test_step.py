@@ -208,7 +208,8 @@ def test_1f1b_remat_full_keeps_one_set_of_stage_gradients():
     """Under remat full each 1F1B tick's stage backward adds its layers' gradients into the tick
     loop's sums (accumulate.scan_into) instead of writing the stage's gradients out beside them:
     on 2 stages, hidden 256, 16 experts, XLA temp 152.80 -> 113.95 MiB, which the planner (one
-    set of sums) predicts at 115.95 (+1.8%; -24.1% before). (Their numerics: test_mesh's
+    set of sums) predicts at 108.27 (-5.0%; -24.1% before; 115.95 while it counted the stage's
+    backward as keeping every layer's whole residuals). (Their numerics: test_mesh's
     *_1f1b_remat_full.)"""
     cfg = _cfg(*_WEIGHTY, "train.microbatches=2", "pipeline.schedule=1f1b", "train.remat=full")
     c = plan.compare(cfg, {**{a: 1 for a in plan.AXES}, "pipeline": 2})
