@@ -113,8 +113,8 @@ def decode_kernels(kernels: KernelConfig, infer: InferConfig, m: ModelConfig, to
     """How a step of `tokens` tokens (per batch shard) computes the routed experts. `auto` with
     the experts as separate arrays (`split_experts`, no expert parallelism): `grouped` with
     `grouped_tile` rows a tile, so each selected expert's weights are read in place about once
-    (a named `infer.moe_decode` tiles by `infer.decode_tile`; from 4 pairs an expert `grouped`
-    runs static slots per expert instead, r1jax/kernels/dispatch.py); bench/moe_decode.py measures it
+    (a named `infer.moe_decode` tiles by `infer.decode_tile`; from 4 to 32 pairs an expert
+    `grouped` runs static slots per expert instead, r1jax/kernels/dispatch.py); bench/moe_decode.py measures it
     against the stacked dispatches. With the experts sharded over `expert` (stacked): `gather`
     while P <= E/2, `dense` while P <= 2E, then `dropless`."""
     kind = infer.moe_decode

@@ -279,10 +279,9 @@ def routed_grouped(x, w, idx, gate, up, down, *, tile: int = 8, **_):
     no rows and contribute zero (as in `dropless`).
 
     While each expert averages SLOTS_MIN_MEAN to SLOTS_MAX_MEAN pairs (decode at batch 32),
-    every expert instead gets C static slots
-    (SLOT_FACTOR x the mean) multiplied as E unrolled GEMMs against its own arrays, and only the
-    pairs past an expert's C run through the tiles (OVERFLOW_TILE rows each, usually none): no
-    loop trip or switch per tile."""
+    every expert instead gets C static slots (SLOT_FACTOR x the mean) multiplied as E unrolled
+    GEMMs against its own arrays, and only the pairs past an expert's C run through the tiles
+    (OVERFLOW_TILE rows each, usually none): no loop trip or switch per tile."""
     T, k = idx.shape
     E, D = len(gate), x.shape[1]
     xs = jnp.concatenate([x, jnp.zeros((1, D), x.dtype)])                     # row T: padding
