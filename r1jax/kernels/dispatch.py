@@ -121,22 +121,29 @@ def _tile_matmul_bwd(res, g):
 tile_matmul.defvjp(_tile_matmul_fwd, _tile_matmul_bwd)
 
 
-def _tiles(idx, E: int, tile: int):
+def _ranked(idx, E: int):
+    """The T*k pairs stably sorted by expert: (order, expert se [T*k] (ids >= E clamped to E-1),
+    here [T*k] (the id is < E), rank [T*k] (position within its expert's run), sizes [E])."""
+    Tk = idx.size
+    order, sorted_e, sizes = _sort_pairs(idx, E)        # bincount drops ids >= E; argsort puts them last
+    se = jnp.minimum(sorted_e, E - 1)
+    rank = jnp.arange(Tk, dtype=jnp.int32) - (jnp.cumsum(sizes) - sizes)[se]
+    return order, se, sorted_e < E, rank, sizes
+
+
+def _tiles(idx, E: int, tile: int, ranked=None):
     """The dropless layout of the T*k pairs: (row_token [rows] (T: an empty row), tile_e
     [n_tiles], live_tiles, pair_row [T*k] (`rows`: nowhere), n_tiles). Every expert's pairs fill
-    whole tiles of `tile` rows; expert ids >= E get no row."""
+    whole tiles of `tile` rows; expert ids >= E get no row. `ranked`: `_ranked(idx, E)` with
+    `here` narrowed to the pairs to lay out and rank and sizes counted among those alone."""
     T, k = idx.shape
     Tk = T * k
     n_tiles = -(-(Tk + E * (tile - 1)) // tile)        # static bound: every expert wastes < 1 tile
     rows = n_tiles * tile
-    order, sorted_e, sizes = _sort_pairs(idx, E)        # bincount drops ids >= E; argsort puts them last
-    starts = jnp.cumsum(sizes) - sizes
+    order, se, here, rank, sizes = _ranked(idx, E) if ranked is None else ranked
     padded = (sizes + tile - 1) // tile * tile
     padded_end = jnp.cumsum(padded)
     live_tiles = padded_end[-1] // tile
-    here = sorted_e < E
-    se = jnp.minimum(sorted_e, E - 1)
-    rank = jnp.arange(Tk, dtype=jnp.int32) - starts[se]                 # position within its expert
     dest = jnp.where(here, (padded_end - padded)[se] + rank, rows)      # padded row; `rows` = nowhere
     row_token = jnp.full((rows,), T, jnp.int32).at[dest].set(order // k, mode="drop")
     # tile n belongs to the first expert whose padded run ends after row n*tile (a comparison
@@ -291,18 +298,16 @@ def routed_grouped(x, w, idx, gate, up, down, *, tile: int = 8, **_):
         ys = _expert_tiles(xs, row_token, tile_e, live, n_tiles, tile, branches, D, x.dtype)
         return _combine(ys, pair_row, w, T, k, x.dtype), jnp.int32(0)
     C = math.ceil(SLOT_FACTOR * T * k / E)
-    order, sorted_e, sizes = _sort_pairs(idx, E)
-    se = jnp.minimum(sorted_e, E - 1)
-    rank = jnp.arange(T * k, dtype=jnp.int32) - (jnp.cumsum(sizes) - sizes)[se]
-    slot = jnp.where((sorted_e < E) & (rank < C), se * C + rank, E * C)      # E*C: not in a slot
+    order, se, here, rank, sizes = _ranked(idx, E)
+    slot = jnp.where(here & (rank < C), se * C + rank, E * C)                 # E*C: not in a slot
     slot_token = jnp.full((E * C,), T, jnp.int32).at[slot].set(order // k, mode="drop")
     x_slots = xs[slot_token].reshape(E, C, D)
     y_slots = jnp.concatenate([branches[e](x_slots[e]) for e in range(E)])   # [E*C, D]
     pair_slot = jnp.zeros((T * k,), jnp.int32).at[order].set(slot)            # (t, j) -> slot row
     in_slot = pair_slot < E * C
-    # the overflow: the dropless tiles over the pairs without a slot (the others marked elsewhere)
-    over = jnp.where(in_slot.reshape(T, k), E, idx)
-    row_token, tile_e, live, pair_row, n_tiles = _tiles(over, E, OVERFLOW_TILE)
+    # the overflow: the dropless tiles over each expert's pairs past its C slots, from the same sort
+    over = (order, se, here & (rank >= C), rank - C, jnp.maximum(sizes - C, 0))
+    row_token, tile_e, live, pair_row, n_tiles = _tiles(idx, E, OVERFLOW_TILE, over)
     y_over = _expert_tiles(xs, row_token, tile_e, live, n_tiles, OVERFLOW_TILE, branches, D, x.dtype)
     # pair -> its row of [y_slots; y_over] (pair_row is past y_over, at _combine's zero row, for
     # a pair in a slot or one of another shard's experts)
