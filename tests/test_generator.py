@@ -251,3 +251,46 @@ def test_recorded_routing_is_the_models_and_replaying_it_forces_the_experts(tiny
         got = np.asarray(other.aux["idx"]).reshape(L, n, k).transpose(1, 0, 2)
         assert np.array_equal(got[:n - 1], forced[0, :n - 1]) and np.array_equal(got[n - 1], idx[n - 1])
         assert np.abs(np.asarray(other.logits) - np.asarray(own.logits)).max() > 1e-3
+
+
+def test_gate_and_up_are_joined_and_every_dispatch_reads_them(tiny, gen):
+    """The generator keeps every SwiGLU's gate and up side by side in one [D, 2F] array under the
+    gate's name (the up leaf None): each routed expert's, the shared experts' and the dense
+    layers', in the layers and the MTP block alike. A quantised generator keeps them apart. A
+    named stacked dispatch (`dense`) splits the routed experts again and gives `grouped`'s
+    tokens and log-probs."""
+    from r1jax.config import MoEDispatch
+    from r1jax.infer import quant
+    m, _, state = tiny
+    D, F, E = m.hidden_size, m.moe_intermediate_size, m.n_routed_experts
+
+    def pairs(g):
+        """{path of the gate: (gate, up)} over every layer's state and the rest."""
+        rest, layers = g.params
+        found = {}
+        for name, states in [("rest", [rest])] + sorted(layers.items()):
+            for i, st in enumerate(states):
+                flat = {p: v.get_value() for p, v in nnx.to_flat_state(st)}
+                for p, v in flat.items():
+                    if p[-1] in ("gate_EDF", "gate_DF"):
+                        found[(name, i) + p] = (v, flat[p[:-1] + ("up" + p[-1][4:],)])
+        return found
+
+    found = pairs(gen)
+    routed = [k for k in found if k[-1] == "gate_EDF"]
+    assert len(routed) == m.num_moe_layers + m.num_nextn_predict_layers >= 2
+    assert len(found) - len(routed) == m.num_hidden_layers + m.num_nextn_predict_layers    # dense + shared
+    for key, (g, u) in found.items():
+        assert u is None, key
+        if key[-1] == "gate_EDF":
+            assert len(g) == E and all(e.shape == (D, 2 * F) for e in g)
+        else:
+            assert g.shape[0] == D and g.shape[1] in (2 * m.intermediate_size, 2 * F * m.n_shared_experts)
+    q = Generator(m, state, FP32, eos_id=None, quantize="int8")
+    for g, u in pairs(q).values():
+        assert all(isinstance(w, quant.QArray) for w in (u if isinstance(u, tuple) else (g, u)))
+    reqs = [Request(p, max_new_tokens=6, logprobs=0) for p in _prompts(m, (5, 9))]
+    dense = Generator(m, state, dataclasses.replace(FP32, moe_decode=MoEDispatch.dense), eos_id=None)
+    for a, b in zip(gen.generate(reqs), dense.generate(reqs)):
+        assert a.completion_ids == b.completion_ids
+        np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-5)

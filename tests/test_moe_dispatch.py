@@ -54,19 +54,27 @@ def test_dispatch_equals_per_expert_loop(kind, kw):
     assert dy < 1e-5 and dg < 1e-5
 
 
+def _layout(experts, layout):
+    """The experts as `grouped` takes them: stacked, separate arrays, or separate with each
+    expert's gate and up joined into one [D, 2F] array (`up` None), the generator's float layout."""
+    if layout == "stacked":
+        return experts
+    gate, up, down = [tuple(a[e] for e in range(E)) for a in experts]
+    return [gate, up, down] if layout == "separate" else [dispatch.join_gate_up(gate, up), None, down]
+
+
 @pytest.mark.parametrize("tile,tokens", [(1, 5), (3, 5), (8, 5), (256, 5), (1, 1), (8, T)])
-@pytest.mark.parametrize("layout", ["separate", "stacked"])
+@pytest.mark.parametrize("layout", ["separate", "stacked", "joined"])
 def test_grouped_equals_per_expert_loop(tile, tokens, layout):
     """`grouped` (inference only: forward) with the experts as separate arrays (the generator's
-    layout) or stacked; any tile, including ones that split an expert's run and one past all
-    pairs; one token's pairs take the unrolled tiles (a decode step at batch 1), 5 tokens' the
-    tile loop, T tokens' (15 pairs an expert) the static slots."""
+    layout, gate and up joined or not) or stacked; any tile, including ones that split an
+    expert's run and one past all pairs; one token's pairs take the unrolled tiles (a decode
+    step at batch 1), 5 tokens' the tile loop, T tokens' (15 pairs an expert) the static slots."""
     x, router, bias, experts = _inputs()
     x = x[:tokens]
     wts, idx, _ = route(x, router, bias, CFG)
     y_ref, _ = dispatch.routed_loop(x, wts, idx, *experts)
-    if layout == "separate":
-        experts = [tuple(a[e] for e in range(E)) for a in experts]
+    experts = _layout(experts, layout)
     y, dropped = jax.jit(lambda x, w, i, ex: dispatch.routed_grouped(x, w, i, *ex, tile=tile))(x, wts, idx, experts)
     if tile == 1:                      # one token: the unrolled tiles; 5 tokens: the loop
         assert (tokens * K <= dispatch.UNROLL_TILES) == (tokens == 1)
@@ -75,7 +83,7 @@ def test_grouped_equals_per_expert_loop(tile, tokens, layout):
     assert float(jnp.abs(y - y_ref).max()) < 1e-5
 
 
-@pytest.mark.parametrize("layout", ["separate", "stacked"])
+@pytest.mark.parametrize("layout", ["separate", "stacked", "joined"])
 def test_grouped_slots_overflow_runs_through_tiles(layout):
     """The static slots take C = SLOT_FACTOR x the mean pairs an expert; an expert every token
     picks first overflows them (40 pairs against 23 slots), and experts nobody picks leave theirs
@@ -88,8 +96,7 @@ def test_grouped_slots_overflow_runs_through_tiles(layout):
     C = math.ceil(dispatch.SLOT_FACTOR * T * K / E)
     assert (np.bincount(np.asarray(idx).ravel(), minlength=E)[0] - C) % dispatch.OVERFLOW_TILE == 1
     y_ref, _ = dispatch.routed_loop(x, wts, idx, *experts)
-    if layout == "separate":
-        experts = [tuple(a[e] for e in range(E)) for a in experts]
+    experts = _layout(experts, layout)
     y, dropped = jax.jit(lambda x, w, i, ex: dispatch.routed_grouped(x, w, i, *ex, tile=8))(x, wts, idx, experts)
     assert int(dropped) == 0
     assert float(jnp.abs(y - y_ref).max()) < 1e-5

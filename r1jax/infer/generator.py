@@ -41,6 +41,7 @@ from r1jax.config import InferConfig, KernelConfig, ModelConfig, MoEDispatch
 from r1jax.infer import cache as cachelib
 from r1jax.infer import quant
 from r1jax.infer.sampling import Sampling, argmax, logprobs, sample
+from r1jax.kernels import dispatch
 from r1jax.model.kv import KV
 from r1jax.parallel import mesh as meshlib
 
@@ -559,6 +560,7 @@ STACKS = {"dense_layers": "dense", "moe_layers": "moe"}
 
 
 EXPERT_WEIGHTS = ("gate_EDF", "up_EDF", "down_EFD")
+JOINED = (("gate_EDF", "up_EDF"), ("gate_DF", "up_DF"))     # (gate, up) leaf names `_unstacked` joins
 
 
 def _unstacked(state: nnx.State, split_experts: bool, dtype=None):
@@ -567,24 +569,40 @@ def _unstacked(state: nnx.State, split_experts: bool, dtype=None):
     arrays are sliced out once here, and the stacked originals are not kept. With
     `split_experts`, each routed-expert weight becomes a tuple of per-expert arrays (the
     `grouped` dispatch reads a selected expert in place; a slice of a stack would be a copy).
+    Unless quantised, every SwiGLU's gate and up (each routed expert's under `split_experts`,
+    the shared experts' and dense layers') are joined into one [D, 2F] array under the gate's
+    name, the up leaf holding None: a decode step's matrix-vector products stream one 2F-wide
+    matrix faster than two F-wide ones (`dispatch.join_gate_up` has the measurements).
     With `dtype`, floating weights are cast to it as `_in_compute_dtype` does.
 
     The slices and casts are one compiled call (`_cut`), not one dispatch each: GRPO reloads the
     generator every step, and tiny.yaml's few thousand eager slices took about 30 ms of an 80 ms
     rollout."""
     flat = list(nnx.to_flat_state(state))
+    where = {path: i for i, (path, _) in enumerate(flat)}
+
+    def join(path, var):
+        """The index of the `up` leaf a `gate` leaf takes in, -1 for that `up` leaf, else None."""
+        names = next((p for p in JOINED if path[-1] in p), None)
+        if names is None or (names == JOINED[0] and not split_experts):
+            return None
+        pair = [where.get(path[:-1] + (name,)) for name in names]
+        if None in pair or any(isinstance(flat[i][1].get_value(), quant.QArray) for i in pair):
+            return None
+        return pair[1] if path[-1] == names[0] else -1
+
     plan = tuple((_stack_layers(path, var), split_experts and path[-1] in EXPERT_WEIGHTS,
-                  None if dtype is None or _keeps_dtype(path, var.get_value()) else jnp.dtype(dtype).name)
+                  None if dtype is None or _keeps_dtype(path, var.get_value()) else jnp.dtype(dtype).name,
+                  join(path, var))
                  for path, var in flat)
     cut = _cut(plan)([var.get_value() for _, var in flat])
     rest, abstract, layers = [], [], {}
-    for (path, var), (n, _, _), value in zip(flat, plan, cut):
+    for (path, var), (n, _, cast, _), value in zip(flat, plan, cut):
         if not n:
             rest.append((path, var.replace(value)))
             continue
         a = var.get_value()
-        abstract.append((path, var.replace(jax.ShapeDtypeStruct(a.shape, value[0].dtype if not isinstance(
-            value[0], tuple) else value[0][0].dtype))))
+        abstract.append((path, var.replace(jax.ShapeDtypeStruct(a.shape, jnp.dtype(cast or a.dtype)))))
         per = layers.setdefault(STACKS[path[0]], [[] for _ in range(n)])
         for i in range(n):
             per[i].append((path[2:], var.replace(value[i])))
@@ -600,16 +618,27 @@ def _stack_layers(path, var) -> int:
 @functools.lru_cache(maxsize=8)
 def _cut(plan: tuple) -> Callable:
     """The jitted slicing and casting of `_unstacked`'s leaves for one plan: per leaf
-    (layers to slice out or 0, split the experts, cast to this dtype or None)."""
+    (layers to slice out or 0, split the experts, cast to this dtype or None, join: the `up`
+    leaf this `gate` leaf takes in, -1 for that `up` leaf (None after), None)."""
     def leaf(a, split, cast):
         if cast is not None:
             a = a.astype(cast)
         return tuple(a[e] for e in range(a.shape[0])) if split else a
 
     def run(values):
-        return [leaf(a, split, cast) if not n else [leaf(a[i], split, cast) for i in range(n)]
-                for a, (n, split, cast) in zip(values, plan)]
+        out = [leaf(a, split, cast) if not n else [leaf(a[i], split, cast) for i in range(n)]
+               for a, (n, split, cast, _) in zip(values, plan)]
+        for i, (n, _, _, j) in enumerate(plan):
+            if j is not None and j >= 0:
+                out[i] = [_joined(g, u) for g, u in zip(out[i], out[j])] if n else _joined(out[i], out[j])
+                out[j] = [None] * n if n else None
+        return out
     return jax.jit(run)
+
+
+def _joined(gate, up):
+    """gate and up side by side: per expert for the routed experts' tuples, else one array."""
+    return dispatch.join_gate_up(gate, up) if isinstance(gate, tuple) else jnp.concatenate([gate, up], axis=-1)
 
 
 def _keeps_dtype(path, x) -> bool:

@@ -126,7 +126,9 @@ class Embed(nnx.Module):
 
 class MLP(nnx.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)). Used for dense layers and the shared experts; with
-    `lora` naming `lora_group` (mlp or shared_experts), each projection has an adapter."""
+    `lora` naming `lora_group` (mlp or shared_experts), each projection has an adapter. The
+    generator may hold gate and up as one [D, 2F] `gate_DF` (`up_DF` None): one product for both
+    (r1jax/infer/generator.py `_unstacked`)."""
 
     def __init__(self, dim: int, hidden: int, std: float, dtype, lora: LoraConfig | None = None, lora_group: str | None = None, *,
                  rngs: nnx.Rngs):
@@ -139,7 +141,10 @@ class MLP(nnx.Module):
                                             "down_proj": (F, {"down_FD": D})}, rngs=rngs, group=lora_group)
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
-        g = checkpoint_name(project(self, x_BTD, "gate_DF", dense, cast, target="gate_proj"), "mlp_gate")  # BTD,DF->BTF
-        u = checkpoint_name(project(self, x_BTD, "up_DF", dense, cast, target="up_proj"), "mlp_up")
+        if self.up_DF.get_value() is None:   # the generator's layout: gate and up joined, [D, 2F]
+            g, u = jnp.split(project(self, x_BTD, "gate_DF", dense, cast, target="gate_proj"), 2, axis=-1)
+        else:
+            g = checkpoint_name(project(self, x_BTD, "gate_DF", dense, cast, target="gate_proj"), "mlp_gate")  # BTD,DF->BTF
+            u = checkpoint_name(project(self, x_BTD, "up_DF", dense, cast, target="up_proj"), "mlp_up")
         h = constrain(jax.nn.silu(g) * u, "batch", "seq", "act_mlp")
         return project(self, h, "down_FD", dense, cast, target="down_proj")       # BTF,FD->BTD

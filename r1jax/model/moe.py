@@ -24,8 +24,11 @@ from r1jax.model.layers import F32, MLP, RouterBias, normal_param
 
 def _experts(v: nnx.Variable, dtype):
     """A routed-expert weight in the compute dtype: stacked [E, ...], or (the generator's layout,
-    r1jax/infer/generator.py) a tuple of E separate arrays that `grouped` reads in place."""
+    r1jax/infer/generator.py) a tuple of E separate arrays that `grouped` reads in place; None
+    for `up` where the generator joined it to `gate` (`dispatch.join_gate_up`)."""
     a = v.get_value() if isinstance(v, nnx.Variable) else v
+    if a is None:
+        return None
     return tuple(e.astype(dtype) for e in a) if isinstance(a, tuple) else a.astype(dtype)
 
 
@@ -108,7 +111,7 @@ class MoE(nnx.Module):
         kind = dispatch.resolve(kn.moe_dispatch.value)
         experts = tuple(_experts(v, dt) for v in self._routed())
         if isinstance(experts[0], tuple) and kind != "grouped":
-            experts = tuple(jnp.stack(t) for t in experts)
+            experts = (*dispatch.split_gate_up(experts[0], experts[1]), jnp.stack(experts[2]))
         if not isinstance(experts[0], tuple):
             # each expert whole over the hidden axis (fsdp, and outside a pipeline's stages
             # pipeline, split it): against split weights GSPMD regathers the data shard's tokens
