@@ -630,15 +630,11 @@ def _cut(plan: tuple) -> Callable:
                for a, (n, split, cast, _) in zip(values, plan)]
         for i, (n, _, _, j) in enumerate(plan):
             if j is not None and j >= 0:
-                out[i] = [_joined(g, u) for g, u in zip(out[i], out[j])] if n else _joined(out[i], out[j])
+                out[i] = ([dispatch.join_gate_up(g, u) for g, u in zip(out[i], out[j])] if n
+                          else dispatch.join_gate_up(out[i], out[j]))
                 out[j] = [None] * n if n else None
         return out
     return jax.jit(run)
-
-
-def _joined(gate, up):
-    """gate and up side by side: per expert for the routed experts' tuples, else one array."""
-    return dispatch.join_gate_up(gate, up) if isinstance(gate, tuple) else jnp.concatenate([gate, up], axis=-1)
 
 
 def _keeps_dtype(path, x) -> bool:

@@ -21,8 +21,8 @@ weights gate/up [E,D,F], down [E,F,D]; all return (y [T,D], dropped pairs int32 
   tiles (unrolled when there are a few), each multiplied by its expert's weights through a
   `switch` on the expert. Given the experts as tuples of separate [D,F]/[F,D] arrays (the
   generator's layout; `up` None with each gate [D, 2F], gate and up side by side), only the
-  selected experts' weights are read, once per tile, and never copied; about the useful FLOPs at any batch. Stacked [E,...] weights work too, at the cost of
-  a slice of the tile's expert. Once each expert averages a few pairs (decode at batch 32), each
+  selected experts' weights are read, once per tile, and never copied; about the useful FLOPs
+  at any batch. Stacked [E,...] weights work too, at the cost of a slice of the tile's expert. Once each expert averages a few pairs (decode at batch 32), each
   expert gets static slots instead, run as E unrolled GEMMs, and only the overflow takes tiles.
 """
 from __future__ import annotations
@@ -44,15 +44,18 @@ def swiglu(x, gate, up, down):
     return (jax.nn.silu(x @ gate) * (x @ up)) @ down
 
 
-def join_gate_up(gate, up) -> tuple:
-    """Per-expert [D, 2F] arrays, gate and up side by side, from tuples of E [D, F] arrays.
+def join_gate_up(gate, up):
+    """Gate and up side by side, [D, 2F]: per expert for tuples of E [D, F] arrays (the
+    generator's routed experts), else one array (a dense layer's or the shared experts').
 
     Why: at decode a selected expert's products are matrix-vector products that stream their
     weights from memory on one core each, slowly at first, and one 1 MB product streams faster
     than two of 0.5 MB (2-core EPYC, each timed as its own call from memory: [256, 512] 52 us,
     [256, 1024] 69 us). The generator joins every SwiGLU's gate and up this way
     (r1jax/infer/generator.py `_unstacked`); what that gained is in the README's Performance."""
-    return tuple(jnp.concatenate([g, u], axis=-1) for g, u in zip(gate, up))
+    if isinstance(gate, tuple):
+        return tuple(jnp.concatenate([g, u], axis=-1) for g, u in zip(gate, up))
+    return jnp.concatenate([gate, up], axis=-1)
 
 
 def split_gate_up(gate, up):
