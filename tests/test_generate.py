@@ -23,7 +23,7 @@ from r1jax.config import DType, InferConfig
 from r1jax.convert import hf
 from r1jax.infer import cache as cachelib
 from r1jax.infer.generator import Generator, Request
-from r1jax.model.mla import absorbed_attention, dense_attention
+from r1jax.model.mla import HeadsMajor, absorbed_attention, dense_attention
 
 TOL_TEACHER_FORCED = 1e-5     # the bound; measured 4.4e-6 to 7.3e-6 over the five configs
 LENGTHS = (8, 13)
@@ -96,7 +96,10 @@ def test_absorbed_attention_equals_the_expanded_one():
     expanded = dense_attention(q_nope, q_rope, jnp.einsum("BTC,CNK->BTNK", c, wk), kr,
                                jnp.einsum("BTC,CNV->BTNV", c, wv), jnp.ones((B, T), jnp.int32), scale)
     pos = jnp.broadcast_to(jnp.arange(T), (B, T))
-    absorbed = absorbed_attention(q_nope, q_rope, wk, wv, c, kr, pos, scale)
+    hk, hv = HeadsMajor.of(wk, "wk_b_CNK"), HeadsMajor.of(wv, "wv_b_CNV")
+    assert hk.hm.shape == (N, K, C) and hv.hm.shape == (N, C, V) and hk.shape == wk.shape
+    assert (hk[...] == wk).all() and (hv[...] == wv).all()      # reads back as the model's layout
+    absorbed = absorbed_attention(q_nope, q_rope, hk.hm, hv.hm, c, kr, pos, scale)
     err = float(jnp.abs(absorbed - expanded).max())
     print(f"absorbed vs expanded attention max|d| {err:.1e}")
     assert err < 2e-6

@@ -295,3 +295,37 @@ def test_gate_and_up_are_joined_and_every_dispatch_reads_them(tiny, gen):
         assert a.completion_ids == b.completion_ids
         # fp32 parity's 1e-5 (the two sum the experts in different orders: 4.8e-7 measured)
         np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
+
+
+def test_up_projections_are_held_heads_major(tiny, gen):
+    """Every MLA's up-projections (the layers' and the MTP block's) are held heads first, as
+    absorbed decode's per-head products read them ([N, K, C] and [N, C, V], no transpose at each
+    step), and read back as the model's own weights; a quantised generator keeps its QArrays.
+    (Decode with them equals the training forward: test_logprobs_are_the_models, test_generate.)"""
+    from r1jax.infer import quant
+    from r1jax.infer.generator import STACKS
+    from r1jax.model.mla import HeadsMajor
+    m, _, state = tiny
+    C, N, K, V = m.kv_lora_rank, m.num_attention_heads, m.qk_nope_head_dim, m.v_head_dim
+    want = {}                                        # (stack or "rest", layer, path) -> the model's weight
+    for p, v in nnx.to_flat_state(state):
+        if p[-1] in ("wk_b_CNK", "wv_b_CNV"):
+            a = np.asarray(v.get_value())
+            if p[0] in STACKS and p[1] == "layers":
+                want.update({(STACKS[p[0]], i, p[2:]): a[i] for i in range(a.shape[0])})
+            else:
+                want[("rest", 0, p)] = a
+
+    def held(g):
+        rest, layers = g.params
+        return {(name, i, p): v.get_value() for name, states in [("rest", [rest])] + sorted(layers.items())
+                for i, st in enumerate(states) for p, v in nnx.to_flat_state(st) if p[-1] in ("wk_b_CNK", "wv_b_CNV")}
+
+    got = held(gen)
+    assert set(got) == set(want) and len(want) == 2 * (m.num_hidden_layers + m.num_nextn_predict_layers)
+    for key, w in got.items():
+        assert isinstance(w, HeadsMajor), key
+        assert w.hm.shape == ((N, K, C) if key[-1][-1] == "wk_b_CNK" else (N, C, V))
+        np.testing.assert_array_equal(np.asarray(w[...]), want[key])
+    q = Generator(m, state, FP32, eos_id=None, quantize="int8")
+    assert all(isinstance(w, quant.QArray) for w in held(q).values())

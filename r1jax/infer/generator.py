@@ -43,6 +43,7 @@ from r1jax.infer import quant
 from r1jax.infer.sampling import Sampling, argmax, logprobs, sample
 from r1jax.kernels import dispatch
 from r1jax.model.kv import KV
+from r1jax.model.mla import HEADS_MAJOR, HeadsMajor
 from r1jax.parallel import mesh as meshlib
 
 MAX_STOP_IDS = 8          # stop token ids per request (EOS included), padded with -1
@@ -573,7 +574,8 @@ def _unstacked(state: nnx.State, split_experts: bool, dtype=None):
     the shared experts' and dense layers') are joined into one [D, 2F] array under the gate's
     name, the up leaf holding None: a decode step's matrix-vector products stream one 2F-wide
     matrix faster than two F-wide ones (`dispatch.join_gate_up` has the measurements).
-    With `dtype`, floating weights are cast to it as `_in_compute_dtype` does.
+    Unless quantised, MLA's up-projections are held heads first (`mla.HeadsMajor`), as absorbed
+    decode reads them. With `dtype`, floating weights are cast to it as `_in_compute_dtype` does.
 
     The slices and casts are one compiled call (`_cut`), not one dispatch each: GRPO reloads the
     generator every step, and tiny.yaml's few thousand eager slices took about 30 ms of an 80 ms
@@ -593,11 +595,12 @@ def _unstacked(state: nnx.State, split_experts: bool, dtype=None):
 
     plan = tuple((_stack_layers(path, var), split_experts and path[-1] in EXPERT_WEIGHTS,
                   None if dtype is None or _keeps_dtype(path, var.get_value()) else jnp.dtype(dtype).name,
-                  join(path, var))
+                  join(path, var),
+                  path[-1] if path[-1] in HEADS_MAJOR and not isinstance(var.get_value(), quant.QArray) else None)
                  for path, var in flat)
     cut = _cut(plan)([var.get_value() for _, var in flat])
     rest, abstract, layers = [], [], {}
-    for (path, var), (n, _, cast, _), value in zip(flat, plan, cut):
+    for (path, var), (n, _, cast, *_), value in zip(flat, plan, cut):
         if not n:
             rest.append((path, var.replace(value)))
             continue
@@ -619,16 +622,19 @@ def _stack_layers(path, var) -> int:
 def _cut(plan: tuple) -> Callable:
     """The jitted slicing and casting of `_unstacked`'s leaves for one plan: per leaf
     (layers to slice out or 0, split the experts, cast to this dtype or None, join: the `up`
-    leaf this `gate` leaf takes in, -1 for that `up` leaf (None after), None)."""
-    def leaf(a, split, cast):
+    leaf this `gate` leaf takes in, -1 for that `up` leaf (None after), None; the up-projection
+    to hold heads first or None)."""
+    def leaf(a, split, cast, heads):
         if cast is not None:
             a = a.astype(cast)
+        if heads is not None:
+            return HeadsMajor.of(a, heads)
         return tuple(a[e] for e in range(a.shape[0])) if split else a
 
     def run(values):
-        out = [leaf(a, split, cast) if not n else [leaf(a[i], split, cast) for i in range(n)]
-               for a, (n, split, cast, _) in zip(values, plan)]
-        for i, (n, _, _, j) in enumerate(plan):
+        out = [leaf(a, split, cast, heads) if not n else [leaf(a[i], split, cast, heads) for i in range(n)]
+               for a, (n, split, cast, _, heads) in zip(values, plan)]
+        for i, (n, _, _, j, _) in enumerate(plan):
             if j is not None and j >= 0:
                 out[i] = ([dispatch.join_gate_up(g, u) for g, u in zip(out[i], out[j])] if n
                           else dispatch.join_gate_up(out[i], out[j]))

@@ -24,6 +24,8 @@ the reference.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -39,6 +41,42 @@ from r1jax.model.layers import dense, F32, RMSNorm, cast, const_param, normal_pa
 
 LATENT_NORM_EPS = 1e-6
 HEADS = ("batch", "seq", "act_heads", None)
+# heads-major layouts of the up-projections (absorbed decode's): the permutation of the model's
+# [C, N, X] that gives it, and back
+HEADS_MAJOR = {"wk_b_CNK": (1, 2, 0), "wv_b_CNV": (1, 0, 2)}     # [N, K, C], [N, C, V]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class HeadsMajor:
+    """An up-projection held heads first, as absorbed decode's per-head products read it: wk_b
+    [C, N, K] as [N, K, C] and wv_b [C, N, V] as [N, C, V] (the generator's layout,
+    r1jax/infer/generator.py). Each product is a dot batched over the heads, which XLA runs with
+    the batch dim leading in both operands: a weight held [C, N, X] was transposed at every
+    decode step (moe_small, batch 1: about 4% of the step). `w[...]` reads like the model's
+    [C, N, X] weight (prefill expands the keys from it), as a QArray reads like its float."""
+    hm: jax.Array
+    perm: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))   # [C, N, X] -> heads-major
+
+    @classmethod
+    def of(cls, w, name: str) -> "HeadsMajor":
+        return cls(jnp.transpose(w, HEADS_MAJOR[name]), HEADS_MAJOR[name])
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.hm.shape[self.perm.index(i)] for i in range(3))
+
+    @property
+    def dtype(self):
+        return self.hm.dtype
+
+    def __getitem__(self, key):
+        if key is not Ellipsis:
+            raise TypeError(f"a HeadsMajor weight takes [...], not {key!r}")
+        return jnp.transpose(self.hm, tuple(self.perm.index(i) for i in range(3)))
+
+    def astype(self, dtype) -> jax.Array:
+        return self[...].astype(dtype)
 
 
 def attention_mask(segment_ids_BT: jax.Array) -> jax.Array:
@@ -49,12 +87,13 @@ def attention_mask(segment_ids_BT: jax.Array) -> jax.Array:
     return (causal[None] & same)[:, None]
 
 
-def absorbed_attention(q_nope_BTNK, q_rope_BTNR, wk_b_CNK, wv_b_CNV, c_BSC, kr_BSR, q_pos_BT, scale):
+def absorbed_attention(q_nope_BTNK, q_rope_BTNR, wk_b_NKC, wv_b_NCV, c_BSC, kr_BSR, q_pos_BT, scale):
     """[B, T, N, V]: attention over a latent cache without expanding it (DeepSeek's "absorb").
     W_UK is folded into the query (q_nope . (c W_UK) = (q_nope W_UK^T) . c) and W_UV applied to
     the attended latent; key s is visible to a query at position p when s <= p. The score's
-    scale is 1/sqrt(K+R) as in the expanded form (the latent's width C does not enter it)."""
-    ql_BTNC = jnp.einsum("BTNK,CNK->BTNC", q_nope_BTNK, wk_b_CNK)
+    scale is 1/sqrt(K+R) as in the expanded form (the latent's width C does not enter it). The
+    up-projections come heads first (`HeadsMajor`)."""
+    ql_BTNC = jnp.einsum("BTNK,NKC->BTNC", q_nope_BTNK, wk_b_NKC)
     scores = (jnp.einsum("BTNC,BSC->BNTS", ql_BTNC, c_BSC)
               + jnp.einsum("BTNR,BSR->BNTS", q_rope_BTNR, kr_BSR)).astype(F32) * scale
     visible = jnp.arange(c_BSC.shape[1], dtype=jnp.int32)[None, None, :] <= q_pos_BT[:, :, None]   # [B,T,S]
@@ -68,7 +107,7 @@ def absorbed_attention(q_nope_BTNK, q_rope_BTNR, wk_b_CNK, wv_b_CNV, c_BSC, kr_B
         o_BTNC = jnp.sum(probs[:, :, 0, :, None] * c_BSC[:, None], axis=2)[:, None]
     else:
         o_BTNC = jnp.einsum("BNTS,BSC->BTNC", probs, c_BSC)
-    return jnp.einsum("BTNC,CNV->BTNV", o_BTNC, wv_b_CNV)
+    return jnp.einsum("BTNC,NCV->BTNV", o_BTNC, wv_b_NCV)
 
 
 def dense_attention(q_nope_BTNK, q_rope_BTNR, k_nope_BSNK, k_rope_BSR, v_BSNV, segment_ids_BT, scale):
@@ -130,13 +169,17 @@ class MLA(nnx.Module):
     def _dense(self, x, weight: str, target: str, n_in: int = 1):
         return loralib.project(self, x, weight, dense, cast, n_in, target)
 
-    def _weight(self, weight: str, target: str):
-        """A weight in the compute dtype with its adapter's update merged (absorbed decode reads
-        the up-projections whole)."""
-        w = getattr(self, weight)[...]
+    def _heads_major(self, weight: str, target: str):
+        """An up-projection heads first (`HEADS_MAJOR`) in the compute dtype, with its adapter's
+        update merged (absorbed decode reads the up-projections whole): as the generator holds
+        it, or transposed here."""
+        v = getattr(self, weight).get_value()
+        if isinstance(v, HeadsMajor) and (self.lora is None or target not in self.lora):
+            return v.hm.astype(self.dtype)
+        w = v[...]
         if self.lora is not None and target in self.lora:
             w = self.lora[target].merged(w, weight)
-        return w.astype(self.dtype)
+        return jnp.transpose(w, HEADS_MAJOR[weight]).astype(self.dtype)
 
     def _bias(self, y, name):
         return y + cast(getattr(self, name), self.dtype) if self.cfg.attention_bias else y
@@ -167,8 +210,9 @@ class MLA(nnx.Module):
             kv = kv.write(c, k_rope)
         if kv is not None and kv.absorbed:
             c_BSC, kr_BSR = kv.read()
-            o = absorbed_attention(q_nope, q_rope, self._weight("wk_b_CNK", "kv_b_proj"), self._weight("wv_b_CNV", "kv_b_proj"),
-                                   c_BSC.astype(dt), kr_BSR.astype(dt), kv.positions, self.scale)
+            o = absorbed_attention(q_nope, q_rope, self._heads_major("wk_b_CNK", "kv_b_proj"),
+                                   self._heads_major("wv_b_CNV", "kv_b_proj"), c_BSC.astype(dt), kr_BSR.astype(dt),
+                                   kv.positions, self.scale)
         else:
             k_nope = constrain(self._dense(c, "wk_b_CNK", "kv_b_proj"), *HEADS)  # BTC,CNK->BTNK
             v = constrain(self._dense(c, "wv_b_CNV", "kv_b_proj"), *HEADS)       # BTC,CNV->BTNV
