@@ -22,8 +22,9 @@ weights gate/up [E,D,F], down [E,F,D]; all return (y [T,D], dropped pairs int32 
   `switch` on the expert. Given the experts as tuples of separate [D,F]/[F,D] arrays (the
   generator's layout; `up` None with each gate [D, 2F], gate and up side by side), only the
   selected experts' weights are read, once per tile, and never copied; about the useful FLOPs
-  at any batch. Stacked [E,...] weights work too, at the cost of a slice of the tile's expert. Once each expert averages a few pairs (decode at batch 32), each
-  expert gets static slots instead, run as E unrolled GEMMs, and only the overflow takes tiles.
+  at any batch. Stacked [E,...] weights work too, at the cost of a slice of the tile's expert.
+  Once each expert averages a few pairs (decode at batch 32), each expert gets static slots
+  instead, run as E unrolled GEMMs, and only the overflow takes tiles.
 """
 from __future__ import annotations
 
