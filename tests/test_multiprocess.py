@@ -234,6 +234,45 @@ def test_missing_peer_exits_with_one_line_within_the_timeout(tmp_path):
         assert secs < timeout + 20        # the timeout plus interpreter and JAX start-up, not 2x the timeout
 
 
+BEAT_AND_EXIT = """
+import time
+from r1jax.parallel import distributed
+
+
+class Fast(distributed.Heartbeat):     # beat all the time, so exit finds a beat inside the client
+    def __init__(self, timeout_s):
+        super().__init__(timeout_s, interval_s=0.0005)
+
+
+distributed.Heartbeat = Fast
+distributed.initialize(60, 30)
+import jax
+print("up", jax.process_index(), flush=True)
+time.sleep(0.3)
+"""
+
+
+def test_processes_that_finish_exit_0_while_the_heartbeat_beats():
+    """Two processes join, beat every 0.5 ms and return at once, four times over. Before the
+    heartbeat was stopped at exit, 11 of 20 such processes aborted (exit 134, "FATAL: exception
+    not rethrown"): CPython unwound the beat inside the client's C++ frame while finalising."""
+    for attempt in range(4):
+        port, procs = free_port(), []
+        for pid in (0, 1):
+            env = clean_env(R1JAX_COORDINATOR=f"127.0.0.1:{port}", R1JAX_NUM_PROCESSES="2",
+                            R1JAX_PROCESS_ID=str(pid), JAX_PLATFORMS="cpu")
+            procs.append(subprocess.Popen([sys.executable, "-c", BEAT_AND_EXIT], cwd=ROOT, env=env,
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        for pid, p in enumerate(procs):
+            try:
+                out, err = p.communicate(timeout=120)
+            except subprocess.TimeoutExpired:
+                kill_tree(p.pid)
+                pytest.fail(f"attempt {attempt}: process {pid} did not exit")
+            assert (p.returncode, out.decode()) == (0, f"up {pid}\n"), \
+                f"attempt {attempt}: process {pid}: exit {p.returncode}: {err.decode()[-500:]}"
+
+
 def test_peer_killed_mid_run_stops_the_survivor_with_one_line(tmp_path):
     """SIGKILL of process 1 of 2 after step 3 (not through the launcher, which would stop the other
     itself; srun does not by default): process 0 exits 1 within distributed.heartbeat_timeout_s,
