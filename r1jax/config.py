@@ -236,6 +236,8 @@ class KernelConfig:
     moe_nodes: int = 0                 # moe_dispatch=hierarchical: nodes the expert axis spans (0: mesh.dcn_expert)
     moe_exchange_fp8: bool = False     # alltoall, hierarchical: rows to the experts (and their output gradients)
                                        # as FP8 e4m3 with a scale per 128 channels, as DeepSeek-V3 dispatches
+    moe_chunks: int = 1                # a MoE layer's routed experts run over its sequence in this many chunks, one
+                                       # after another, each recomputed in the backward: 1/chunks of the buffers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -699,7 +701,7 @@ def validate_model(m: ModelConfig) -> None:
 
 
 def validate_kernels(k: KernelConfig) -> None:
-    for name in ("attention_block", "moe_tile_size"):
+    for name in ("attention_block", "moe_tile_size", "moe_chunks"):
         _need(getattr(k, name) > 0, f"kernels.{name}={getattr(k, name)}: must be a positive integer")
     _need(k.capacity_factor > 0, f"kernels.capacity_factor={k.capacity_factor}: must be > 0")
     _need(k.moe_buffer_factor == 0 or k.moe_buffer_factor >= 1,
@@ -796,6 +798,13 @@ def validate(cfg: Config) -> None:
               f"splits the expert axis into that many nodes of equal size")
 
     _need(d.seq_len >= 2, f"data.seq_len={d.seq_len}: must be >= 2 (next-token targets)")
+    if cfg.kernels.moe_chunks > 1 and moe_used:
+        _need(d.seq_len % cfg.kernels.moe_chunks == 0,
+              f"kernels.moe_chunks={cfg.kernels.moe_chunks}: must divide data.seq_len ({d.seq_len}); each chunk "
+              f"is an equal slice of every row")
+        _need(cfg.kernels.moe_dispatch is not MoEDispatch.capacity,
+              "kernels.moe_chunks > 1: not with moe_dispatch=capacity, whose expert capacity is a share of "
+              "all the layer's tokens (a chunk's would drop other pairs)")
     _need(d.seq_len <= m.max_position_embeddings,
           f"data.seq_len={d.seq_len}: must be <= model.max_position_embeddings ({m.max_position_embeddings})")
     _need(0.0 <= d.eval_fraction < 1.0, f"data.eval_fraction={d.eval_fraction}: must be in [0, 1)")

@@ -334,12 +334,19 @@ class Geometry:
     nodes: int = 1                  # kernels.moe_nodes (hierarchical): nodes the expert axis spans
     nodes_per_token: float = 1.0    # expert_parallel.expected_nodes: a token's nodes, balanced
     exchange_fp8: bool = False      # kernels.moe_exchange_fp8: rows to the experts in FP8
+    moe_chunks: int = 1             # kernels.moe_chunks: the routed experts run on seq / moe_chunks at a time
 
-    def hierarchical_rows(self, m: configlib.ModelConfig, rows: int) -> tuple[int, int]:
+    @property
+    def routed_seq(self) -> int:
+        """Positions of each row the routed experts run on at a time (kernels.moe_chunks)."""
+        return self.seq // self.moe_chunks
+
+    def hierarchical_rows(self, m: configlib.ModelConfig, rows: int, seq: int | None = None) -> tuple[int, int]:
         """(rows one shard sends each node, pairs one forwarding shard sends each shard of its
-        node) of the hierarchical exchange on `rows` batch rows (expert_parallel.node_rows, gpu_rows)."""
+        node) of the hierarchical exchange on `rows` batch rows of `seq` positions (default: the
+        whole sequence) (expert_parallel.node_rows, gpu_rows)."""
         from r1jax.kernels.expert_parallel import gpu_rows, node_rows
-        tokens, k = rows * self.seq, m.num_experts_per_tok
+        tokens, k = rows * (seq or self.seq), m.num_experts_per_tok
         b1 = node_rows(tokens, self.nodes_per_token, self.nodes, self.buffer_factor)
         gpus = self.expert // self.nodes
         return b1, gpu_rows(tokens, k, m.n_routed_experts // self.expert, gpus, self.nodes, b1, self.buffer_factor)
@@ -370,7 +377,7 @@ def geometry(cfg: Config, mesh: dict[str, int], backend: str = "gpu") -> Geometr
                     c(m.moe_intermediate_size * m.n_shared_experts), shards, mesh["fsdp"], mesh["expert"], kind,
                     min(k.attention_block, cfg.data.seq_len) if k.attention is AttentionImpl.flash else 0,
                     k.capacity_factor, k.moe_tile_size, k.moe_buffer_factor, mesh["pipeline"], nodes, per_token,
-                    k.moe_exchange_fp8)
+                    k.moe_exchange_fp8, k.moe_chunks)
 
 
 def _scores(m: configlib.ModelConfig, g: Geometry, rows: int, phase: str) -> int:
@@ -403,27 +410,28 @@ def _routed_rows(m: configlib.ModelConfig, g: Geometry, rows: int, local_sort: b
     every expert whole, but for `capacity`, whose sort runs over the whole (pipeline) microbatch,
     replicated on every batch shard (XLA gathers the tokens); with it, each device gathers the
     tokens of its expert group (r1jax/kernels/expert_parallel.py) and holds E/expert experts.
-    `local_sort`: the batch axes are manual (1F1B), so only this device's tokens."""
-    k, E = m.num_experts_per_tok, m.n_routed_experts
+    `local_sort`: the batch axes are manual (1F1B), so only this device's tokens. With
+    kernels.moe_chunks, one chunk's (the chunks run one after another)."""
+    k, E, S = m.num_experts_per_tok, m.n_routed_experts, g.routed_seq
     if g.expert > 1 and g.dispatch == "capacity":    # all_to_all: C slots per expert from each source
-        cap = max(1, math.ceil(g.capacity_factor * rows * g.seq * k / E))
-        return (E // g.expert) * g.expert * cap, m.hidden_size, rows * g.seq * k
+        cap = max(1, math.ceil(g.capacity_factor * rows * S * k / E))
+        return (E // g.expert) * g.expert * cap, m.hidden_size, rows * S * k
     if g.expert > 1 and g.dispatch in ("alltoall", "hierarchical"):
         # the pairs the owner receives, run dropless (one pair a row): alltoall's f x the balanced
         # pairs from each source, or hierarchical's from each forwarding shard of its node
         from r1jax.kernels.expert_parallel import buffer_rows
         if g.dispatch == "alltoall":
-            recv = g.expert * buffer_rows(rows * g.seq, k, E, g.expert, g.buffer_factor)
+            recv = g.expert * buffer_rows(rows * S, k, E, g.expert, g.buffer_factor)
         else:
-            recv = g.expert // g.nodes * g.hierarchical_rows(m, rows)[1]
+            recv = g.expert // g.nodes * g.hierarchical_rows(m, rows, S)[1]
         n = -(-(recv + (E // g.expert) * (g.tile - 1)) // g.tile) * g.tile
-        return n, m.hidden_size, rows * g.seq * k
+        return n, m.hidden_size, rows * S * k
     if g.expert > 1:
-        tokens, experts, width = rows * g.seq * g.expert, E // g.expert, m.hidden_size
+        tokens, experts, width = rows * S * g.expert, E // g.expert, m.hidden_size
     elif local_sort or g.dispatch != "capacity":
-        tokens, experts, width = rows * g.seq, E, m.hidden_size
+        tokens, experts, width = rows * S, E, m.hidden_size
     else:
-        tokens, experts, width = rows * g.seq * g.batch_shards, E, m.hidden_size
+        tokens, experts, width = rows * S * g.batch_shards, E, m.hidden_size
     pairs = tokens * k
     if g.dispatch == "capacity":
         n = experts * max(1, math.ceil(g.capacity_factor * tokens * k / E))
@@ -474,9 +482,11 @@ def layer_inventory(m: configlib.ModelConfig, g: Geometry, moe: bool, rows: int,
         # gradient needs them): this device's tokens, or its expert group's with expert parallelism;
         # the hierarchical exchange combines on the forwarding shards, over the rows they received,
         # and gathers its tokens' rows back as [t, k, D] before summing them
-        combined = rows * g.seq * (g.expert if (g.expert > 1 and g.dispatch != "capacity") else 1)
+        # (with kernels.moe_chunks, one chunk's: a chunk's backward recomputes its own)
+        S = g.routed_seq
+        combined = rows * S * (g.expert if (g.expert > 1 and g.dispatch != "capacity") else 1)
         if g.expert > 1 and g.dispatch == "hierarchical":
-            combined = rows * g.seq + g.nodes * g.hierarchical_rows(m, rows)[0]
+            combined = rows * S + g.nodes * g.hierarchical_rows(m, rows, S)[0]
         inv["routed_out"] = combined * m.num_experts_per_tok * m.hidden_size * dt
         inv["router"] = t * m.n_routed_experts * F32
         inv["shared_mlp"] = 3 * t * g.shared_mlp * dt
@@ -585,6 +595,23 @@ def _weights_gathered(cfg: Config, mesh: dict[str, int], prefix: str, layers: in
     return _layer_weights_of(cfg.model, whole, _key(mesh, cfg.mesh.expert_fsdp), axes, prefix, stacked) * (dt + F32)
 
 
+def _embed_lookup(cfg: Config, mesh: dict[str, int], g: Geometry, rows: int) -> int:
+    """The embedding lookup's transient on `rows` rows (r1jax/model/layers.py `Embed`): the table
+    gathered whole over the axes that split its hidden axis, in the compute dtype, with its fp32
+    gradient; or, where `lookup_in_place` says so, the looked-up rows in fp32 (slices of the
+    hidden axis) and exchanged whole in the compute dtype."""
+    if _embed_in_place(cfg, mesh, g, rows):
+        return rows * g.seq * cfg.model.hidden_size * (F32 + g.dt)
+    return _weights_gathered(cfg, mesh, "embed", 1, g.dt, stacked=False)
+
+
+def _embed_in_place(cfg: Config, mesh: dict[str, int], g: Geometry, rows: int) -> bool:
+    """Whether the model looks the embedding up in its slices on `rows` rows (the axes that split
+    its hidden axis are batch axes, so a device looks up its own tokens there)."""
+    from r1jax.model.layers import lookup_in_place
+    return any(mesh[a] > 1 for a in _gather_axes(cfg, "embed")) and lookup_in_place(g.vocab, rows * g.seq)
+
+
 def _gather_axes(cfg: Config, prefix: str) -> tuple[str, ...]:
     """The axes that shard a part's weights ZeRO-3 style: fsdp; pipeline outside the pipelined
     stack; expert under mesh.expert_fsdp."""
@@ -659,9 +686,9 @@ def _phases(cfg: Config, mesh: dict[str, int], st: dict, g: Geometry) -> list[tu
                  if (n_dense and remat is not Remat.none) else 0)
     w_gather = _weights_gathered(cfg, mesh, "moe_layers", n_moe, dt)
     w_mtp = _weights_gathered(cfg, mesh, "mtp/0/block/", m.num_nextn_predict_layers, dt, stacked=False)
-    # the head (shared by the MTP blocks) and the embedding, gathered where they run
+    # the head (shared by the MTP blocks), gathered where it runs; the embedding's lookup
     w_head = _weights_gathered(cfg, mesh, "lm_head", 1, dt, stacked=False)
-    w_dense += _weights_gathered(cfg, mesh, "embed", 1, dt, stacked=False)
+    w_dense += _embed_lookup(cfg, mesh, g, ra)
     opt = ph("optimizer", 0, 0, (2 if t.grad_accum == 1 else 1) * st["largest_leaf"], grads_all, gathered=0)
     dense_phases = [ph("forward dense layers", r_dense, 0, w_dense, 0)]
     # (1F1B with grad_accum: the tick loop's sums are the running sum, and the prologue's
@@ -829,6 +856,9 @@ def _fsdp_traffic(cfg: Config, mesh: dict[str, int], spans: dict[str, tuple[int,
     ef = cfg.mesh.expert_fsdp
     dt = DTYPE_BYTES[t.dtype]
     order = sorted((a for a in _gather_axes(cfg, "") if mesh[a] > 1), key=lambda a: spans[a][0])
+    g = geometry(cfg, mesh)
+    in_place = _embed_in_place(cfg, mesh, g, g.rows_outer)
+    rows_bytes = t.grad_accum * g.rows_outer * g.seq * cfg.model.hidden_size * dt
 
     @functools.cache
     def held(done: tuple[str, ...]) -> dict[str, Any]:
@@ -865,7 +895,13 @@ def _fsdp_traffic(cfg: Config, mesh: dict[str, int], spans: dict[str, tuple[int,
             calls = t.grad_accum * (t.microbatches if part == "moe_layers" and mesh["pipeline"] > 1 else 1)
             if part in EPILOGUE_PARTS and not ticked:
                 calls *= t.epilogue_chunks        # each chunk's forward (recomputed) and backward gathers them
-            if part not in ticked or part == "embed":                   # the prologue's embedding
+            if part == "embed" and in_place:
+                # the lookups run in the table's slices: each axis that splits it exchanges the
+                # looked-up rows (forward) and their gradients, the prologue's and (unless 1F1B's
+                # ticks gather the table for them) the MTP blocks'; axis after axis
+                looks = 1 + (0 if ticked else cfg.model.num_nextn_predict_layers)
+                out.append((axis, "embedding rows exchanged", "all_to_all", 2 * looks * rows_bytes))
+            elif part not in ticked or part == "embed":                   # the prologue's embedding
                 out += [(axis, "weight all-gathers", "all_gather", FSDP_GATHERS * calls * size * dt / F32),
                         (axis, "gradient reduce-scatters", "all_gather", calls * size)]
             if part in ticked:

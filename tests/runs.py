@@ -42,3 +42,33 @@ def train_tiny(overrides: list[str], devices: list, steps: int, model=None):
         state, m = setup.step(state, batch)
         losses.append(float(m["loss"]))
     return cfg, setup.mesh, state, setup.shardings, losses
+
+
+def logits_and_grads(overrides: list[str]):
+    """tiny.yaml + `overrides` on its mesh, fresh weights: the forward with MTP on 8 x 64 random
+    tokens (seed 0) and the gradient of the logits against a fixed random cotangent. Returns
+    (logits, {param path: gradient}, dropped pairs, the compiled program's HLO text)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from r1jax import weights
+    cfg = configlib.load(TINY, overrides)
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, 512, (cfg.train.global_batch_size, cfg.data.seq_len)),
+                      jnp.int32)
+    mesh = meshlib.make_mesh(cfg.mesh)
+    graphdef, _ = weights.target(cfg, mesh, None)
+    state = weights.fresh(cfg, mesh)
+    params = nnx.state(nnx.merge(graphdef, state), nnx.Param)
+
+    def f(params):
+        out = nnx.merge(graphdef, nnx.merge_state(state, params))(ids, mtp=True)
+        cot = jax.random.normal(jax.random.key(1), out.logits.shape)
+        return jnp.sum(out.logits * cot) / out.logits.size, (out.logits, out.aux["dropped"])
+
+    with meshlib.activate(mesh):
+        fn = jax.jit(jax.grad(f, has_aux=True))
+        grads, (logits, dropped) = fn(params)
+        hlo = fn.lower(params).compile().as_text()
+    return (np.asarray(logits), {k: np.asarray(v) for k, v in nnx.to_flat_state(grads)},
+            int(np.asarray(dropped).sum()), hlo)

@@ -14,9 +14,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
 
 from r1jax.config import LoraConfig
-from r1jax.logical import constrain, variable
+from r1jax.logical import axes_of, constrain, mesh_axes, spec, variable
 from r1jax.model import lora as loralib
 from r1jax.model.lora import project
 
@@ -116,12 +117,38 @@ class Embed(nnx.Module):
         self.dtype = dtype
 
     def __call__(self, ids_BT: jax.Array) -> jax.Array:
-        # the table whole over its hidden axis (fsdp and, outside a pipeline's stages, pipeline
-        # split it): a lookup into the split table would come out split over the hidden axis,
-        # and GSPMD would gather every row of the batch to reshard it (and its gradient)
-        table = constrain(self.embedding_WD[...], "vocab", None)
-        x = jnp.take(table, ids_BT, axis=0).astype(self.dtype)
-        return constrain(x, "batch", "seq", "act_embed")
+        # The table is split over its hidden axis (fsdp and, outside a pipeline's stages,
+        # pipeline; expert under mesh.expert_fsdp). Either it is gathered whole over that axis
+        # and each shard looks up its own rows, or each shard looks up the rows of every shard
+        # that splits the hidden axis with it in its own slice of the table, and an all-to-all
+        # hands each its rows whole: the batch rows gathered against the table gathered. The
+        # smaller of the two runs (`lookup_in_place`): DeepSeek-V3's table (129,280 x 7,168)
+        # has 16x more rows than a device's 8,192 tokens, so its lookup and the gradient's
+        # scatter-add stay in place, where a gathered table is 1.7 GiB in bf16 and 3.5 GiB in
+        # fp32 for its gradient; a small table is gathered.
+        split = mesh_axes("embed")
+        batch = axes_of(spec("batch")[0]) if split else ()
+        keep = tuple(a for a in batch if a not in split)
+        mesh = jax.sharding.get_abstract_mesh()
+        size = lambda axes: math.prod(mesh.shape[a] for a in axes)
+        vocab = self.embedding_WD.shape[0] // size(mesh_axes("vocab"))
+        if not split or not lookup_in_place(vocab, ids_BT.size // size(keep) // size(split)):
+            table = constrain(self.embedding_WD[...], "vocab", None)
+            x = jnp.take(table, ids_BT, axis=0).astype(self.dtype)
+            return constrain(x, "batch", "seq", "act_embed")
+        rows = keep[0] if len(keep) == 1 else (keep or None)
+        ids = jax.lax.with_sharding_constraint(ids_BT, P(rows, None))
+        x = jnp.take(constrain(self.embedding_WD[...], "vocab", "embed"), ids, axis=0)
+        x = jax.lax.with_sharding_constraint(x, P(rows, None, split[0] if len(split) == 1 else split))
+        return constrain(x.astype(self.dtype), "batch", "seq", "act_embed")
+
+
+def lookup_in_place(vocab_rows: int, looked_up: int) -> bool:
+    """Whether an embedding lookup runs in the table's hidden-axis slices (`Embed`): when the
+    rows a device looks up over all the shards it shares the hidden axis with (`looked_up`, its
+    own tokens when the hidden axis splits over batch axes) are fewer than the table rows it
+    would gather (`vocab_rows`, the vocabulary over its own split). Also the planner's."""
+    return looked_up < vocab_rows
 
 
 class MLP(nnx.Module):

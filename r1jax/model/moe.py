@@ -103,13 +103,48 @@ class MoE(nnx.Module):
 
     def __call__(self, x_BTD: jax.Array, replay_BTk: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
         """`replay_BTk`: expert ids to use instead of the router's choice (`route`)."""
-        cfg, kn, dt = self.cfg, self.kernels, self.dtype
+        cfg, c = self.cfg, self.kernels.moe_chunks
         B, T, D = x_BTD.shape
         x_TD = x_BTD.reshape(B * T, D)
         replay = None if replay_BTk is None else replay_BTk.reshape(B * T, -1)
         w, idx, scores = route(x_TD, self.router_DE[...], self.router_bias_E[...], cfg, replay)
+        weights = tuple(v.get_value() if isinstance(v, nnx.Variable) else v for v in self._routed())
+        if c > 1 and T % c == 0 and not isinstance(weights[0], tuple):
+            y, dropped = self._chunked(x_BTD, w, idx, weights)
+        else:
+            y, dropped = self._dispatch(x_TD, w, idx, weights)
+        y = checkpoint_name(constrain(y.reshape(B, T, D), "batch", "seq", "act_embed"), "moe_routed")
+        if self.shared is not None:
+            y = y + self.shared(x_BTD)
+        aux = {"load": dispatch.expert_load(idx, cfg.n_routed_experts), "dropped": dropped, "idx": idx,
+               "balance": sequence_balance_loss(scores, idx, B)}
+        return y, aux
+
+    def _chunked(self, x_BTD, w_Tk, idx_Tk, weights):
+        """kernels.moe_chunks: the routed experts over c equal slices of every row's sequence, one
+        after another in a scan whose body is rematerialised, so the dispatch's buffers and each
+        pair's expert output are live for one slice at a time, in the forward and in the backward.
+        The experts enter the scan in their parameter dtype and are cast inside it: their
+        gradients add up over the slices in that dtype (fp32), not in the compute dtype."""
+        c = self.kernels.moe_chunks
+        B, T, D = x_BTD.shape
+
+        def slices(a):                        # [B*T, ...] -> [c, B*T/c, ...], each every row's slice
+            a = a.reshape(B, c, T // c, *a.shape[1:])
+            return jnp.moveaxis(a, 1, 0).reshape(c, B * (T // c), *a.shape[3:])
+
+        def body(_, xs):             # no carry: inside a pipeline stage it would need marking varying
+            return None, self._dispatch(*xs, weights)
+
+        _, (y, dropped) = jax.lax.scan(jax.checkpoint(body, prevent_cse=False), None,
+                                       (slices(x_BTD.reshape(B * T, D)), slices(w_Tk), slices(idx_Tk)))
+        return jnp.moveaxis(y.reshape(c, B, T // c, D), 0, 1).reshape(B * T, D), dropped.sum()
+
+    def _dispatch(self, x_TD, w, idx, weights):
+        """Routed-expert output [T, D] and the dropped pairs' count for these tokens."""
+        cfg, kn = self.cfg, self.kernels
         kind = dispatch.resolve(kn.moe_dispatch.value)
-        experts = tuple(_experts(v, dt) for v in self._routed())
+        experts = tuple(_experts(v, self.dtype) for v in weights)
         if isinstance(experts[0], tuple) and kind != "grouped":
             experts = (*dispatch.split_gate_up(experts[0], experts[1]), jnp.stack(experts[2]))
         if not isinstance(experts[0], tuple):
@@ -120,18 +155,11 @@ class MoE(nnx.Module):
         opts = dict(tile=kn.moe_tile_size, capacity_factor=kn.capacity_factor)
         if expert_parallel.expert_axis()[1] > 1:        # experts sharded: exchange tokens (shard_map)
             nodes = max(1, kn.moe_nodes)
-            y, dropped = expert_parallel.routed(
+            return expert_parallel.routed(
                 kind, x_TD, w, idx, *experts, buffer_factor=kn.moe_buffer_factor, nodes=nodes,
                 nodes_per_token=expert_parallel.expected_nodes(cfg.n_routed_experts, cfg.num_experts_per_tok,
                                                                cfg.n_group, cfg.topk_group, nodes),
                 fp8=kn.moe_exchange_fp8, **opts)
-        elif isinstance(experts[0], tuple):          # the generator's per-expert arrays (`grouped`)
-            y, dropped = dispatch.ROUTED[kind](x_TD, w, idx, *experts, **opts)
-        else:
-            y, dropped = expert_parallel.local(kind, x_TD, w, idx, *experts, **opts)
-        y = checkpoint_name(constrain(y.reshape(B, T, D), "batch", "seq", "act_embed"), "moe_routed")
-        if self.shared is not None:
-            y = y + self.shared(x_BTD)
-        aux = {"load": dispatch.expert_load(idx, cfg.n_routed_experts), "dropped": dropped, "idx": idx,
-               "balance": sequence_balance_loss(scores, idx, B)}
-        return y, aux
+        if isinstance(experts[0], tuple):          # the generator's per-expert arrays (`grouped`)
+            return dispatch.ROUTED[kind](x_TD, w, idx, *experts, **opts)
+        return expert_parallel.local(kind, x_TD, w, idx, *experts, **opts)
