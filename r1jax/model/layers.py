@@ -124,8 +124,8 @@ class Embed(nnx.Module):
         # hands each its rows whole: the batch rows gathered against the table gathered. The
         # smaller of the two runs (`lookup_in_place`): DeepSeek-V3's table (129,280 x 7,168)
         # has 16x more rows than a device's 8,192 tokens, so its lookup and the gradient's
-        # scatter-add stay in place, where a gathered table is 1.7 GiB in bf16 and 3.5 GiB in
-        # fp32 for its gradient; a small table is gathered.
+        # scatter-add stay in place, where the gathered table (read in fp32, as the step keeps
+        # the embedding) and its gradient are 3.5 GiB each; a small table is gathered.
         split = mesh_axes("embed")
         batch = axes_of(spec("batch")[0]) if split else ()
         keep = tuple(a for a in batch if a not in split)
